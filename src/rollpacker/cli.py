@@ -1,0 +1,205 @@
+"""The ``rollpacker`` command.
+
+rollpacker bench rollout --preset paper-cpu --out r.json   # sync vs tail batching on vLLM
+rollpacker trace generate --preset paper-cpu --out t.jsonl # write a preset's trace
+rollpacker model build --preset bench                      # build (or find) a tiny model
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rollpacker.core.errors import RollpackerError
+
+app = typer.Typer(
+    help="rollpacker: tail batching and friends for synchronous on-policy RL post-training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks that print figures and write JSON.", no_args_is_help=True)
+trace_app = typer.Typer(help="Length traces for the replay benchmark.", no_args_is_help=True)
+model_app = typer.Typer(help="Tiny local models (no downloads).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.add_typer(trace_app, name="trace")
+app.add_typer(model_app, name="model")
+
+
+def _fail(e: Exception) -> None:
+    typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=2)
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
+    trace: Annotated[Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the full report as JSON here.")] = None,
+    p0: Annotated[int, typer.Option("--p0", help="P0: prompts (groups) trained per step.")] = 16,
+    r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
+    eta_p: Annotated[float, typer.Option(help="Prompt speculation factor (1.0 disables).")] = 1.25,
+    eta_r: Annotated[float, typer.Option(help="Response speculation factor (1.0 disables).")] = 1.25,
+    max_tokens: Annotated[int, typer.Option(help="Max response length (traced lengths are clipped).")] = 1024,
+    concurrency: Annotated[
+        int, typer.Option(help="Engine concurrency limit (vLLM max_num_seqs), Q of the bubble ratio.")
+    ] = 128,
+    kv_cache_gib: Annotated[
+        int, typer.Option(help="Engine KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    ] = 2,
+    periods: Annotated[
+        int, typer.Option(help="Whole tail-batching periods to run (each ends with a long round).")
+    ] = 2,
+    model: Annotated[str, typer.Option(help="Tiny-model preset or a model directory.")] = "bench",
+    engine: Annotated[
+        str, typer.Option(help="`vllm` (real engine) or `fake` (simulated, for dry runs).")
+    ] = "vllm",
+    seed: Annotated[int, typer.Option(help="Seed for the preset trace and prompt tokens.")] = 0,
+) -> None:
+    """Replay a length trace under sync and tail batching on one engine and compare them.
+
+    Every response is decoded at its traced length (ignore_eos, max_tokens = length), so the
+    scheduling effect is measured on real decoding. Reports rollout seconds per trained step,
+    speedup vs sync, bubble ratio (SortedRL eq. 4), rollout efficiency and token waste, plus the
+    engine's batch-scaling curve measured in the same run.
+    """
+    from rollpacker.bench.replay import BenchConfig, render_table, run_benchmark, write_report
+    from rollpacker.core.config import RolloutConfig
+    from rollpacker.core.trace import PRESETS, generate, parse_lines
+
+    try:
+        rc = RolloutConfig(
+            prompts_per_step=p0,
+            responses_per_prompt=r0,
+            eta_p=eta_p,
+            eta_r=eta_r,
+            max_tokens=max_tokens,
+        )
+        cfg = BenchConfig(rollout=rc, periods=periods, seed=seed)
+        if trace is not None:
+            if not trace.is_file():
+                raise RollpackerError(f"trace file {trace} does not exist")
+            records = parse_lines(trace.read_text().splitlines(), source=str(trace))
+            source = str(trace)
+        else:
+            if preset not in PRESETS:
+                raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
+            records = generate(PRESETS[preset], seed=seed)
+            source = f"preset:{preset}"
+        longest_prompt = max(r.prompt_len for r in records)
+        eng = _make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
+        try:
+            report = run_benchmark(
+                eng,
+                records,
+                cfg,
+                source=source,
+                progress=_progress(),
+                log=lambda s: typer.echo(f"[bench] {s}", err=True),
+            )
+        finally:
+            eng.close()
+    except RollpackerError as e:
+        _fail(e)
+        return
+    report["engine"] = {"kind": engine, "model": model}
+    typer.echo(render_table(report))
+    if out is not None:
+        write_report(report, out)
+        typer.echo(f"\nwrote {out}")
+
+
+def _progress():  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def on(policy: str, m) -> None:  # type: ignore[no-untyped-def]
+        bar = bars.get(policy)
+        if bar is None:
+            bar = bars[policy] = tqdm(desc=f"{policy:>14}", unit="step", file=sys.stderr, leave=True)
+        bar.update(1)
+        bar.set_postfix(kind=m.round_kind, s=f"{m.time_s:.1f}", max_len=m.response_len_max)
+
+    return on
+
+
+def _make_engine(kind: str, model: str, concurrency: int, kv_gib: int, max_model_len: int, seed: int):  # type: ignore[no-untyped-def]
+    from rollpacker.core.config import EngineConfig
+
+    if kind == "fake":
+        from rollpacker.engines.fake import FakeEngine
+
+        return FakeEngine(concurrency=concurrency, base_s=0.0025, per_seq_s=0.00007)
+    if kind != "vllm":
+        raise RollpackerError(f"--engine {kind!r}: use `vllm` or `fake`")
+    from rollpacker.engines.vllm_engine import VLLMEngine
+    from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model
+
+    model_dir = str(build_tiny_model(model)) if model in PRESETS else model
+    cfg = EngineConfig(
+        model_dir=model_dir,
+        max_num_seqs=concurrency,
+        max_model_len=max(256, max_model_len),
+        kv_cache_gib=kv_gib,
+        seed=seed,
+    )
+    return VLLMEngine(cfg)
+
+
+@trace_app.command("generate")
+def trace_generate(
+    out: Annotated[Path, typer.Option(help="Where to write the JSON Lines trace.")],
+    preset: Annotated[str, typer.Option(help="Generator preset.")] = "paper-cpu",
+    seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
+) -> None:
+    """Write a preset's seeded trace as JSON Lines (one prompt per line)."""
+    from rollpacker.core.trace import PRESETS, generate
+
+    if preset not in PRESETS:
+        _fail(RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}"))
+    recs = generate(PRESETS[preset], seed=seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(r.to_json() + "\n" for r in recs))
+    typer.echo(f"wrote {len(recs)} prompts to {out}")
+
+
+@trace_app.command("presets")
+def trace_presets() -> None:
+    """List the trace presets and their length statistics."""
+    from rollpacker.core.trace import PRESETS, generate, length_stats
+
+    for name, p in PRESETS.items():
+        st = length_stats(generate(p))
+        typer.echo(
+            f"{name:<10} {p.num_prompts:>4} prompts x {p.responses_per_prompt} lengths; max {st['max']:.0f} "
+            f"P75 {st['p75']:.0f} median {st['p50']:.0f}  {p.description}"
+        )
+
+
+@model_app.command("build")
+def model_build(
+    preset: Annotated[str, typer.Option(help="Tiny-model preset.")] = "tiny",
+    force: Annotated[bool, typer.Option(help="Rebuild even if cached.")] = False,
+) -> None:
+    """Build a tiny Qwen2-architecture model + tokenizer locally (cached) and print its path."""
+    from rollpacker.tasks.tiny_model import build_tiny_model, count_parameters
+
+    try:
+        path = build_tiny_model(preset, force=force)
+    except ValueError as e:
+        _fail(e)
+        return
+    typer.echo(json.dumps({"path": str(path), "parameters": count_parameters(path)}))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""Typed errors raised at boundaries. Each message says what is wrong and what to do next."""
+
+from __future__ import annotations
+
+
+class RollpackerError(Exception):
+    """Base class of every error rollpacker raises on purpose."""
+
+
+class ConfigError(RollpackerError, ValueError):
+    """A configuration value or key is invalid."""
+
+
+class TraceError(RollpackerError, ValueError):
+    """A replay trace (or dataset line) is malformed or cannot serve the configured policy."""
+
+
+class EngineError(RollpackerError, RuntimeError):
+    """The rollout engine failed or was used against its contract."""
+
+
+class PolicyError(RollpackerError, RuntimeError):
+    """A policy was driven out of order (an event for an unknown request, a step without a plan)."""

@@ -1,0 +1,99 @@
+"""Rollout metrics computed from engine events (pure maths, no engine).
+
+Bubble ratio (SortedRL, eq. 4): ``sum_k (Q - r_k) * dt_k / (T * Q)`` where ``Q`` is the engine's
+concurrency limit, ``r_k`` the requests running in engine step ``k``, ``dt_k`` its duration and ``T``
+the round's elapsed time. Time between engine steps (the runtime's own work, idle waits) counts
+as ``r = 0``: it is bubble too.
+
+Invariants:
+- ``0 <= bubble_ratio <= 1``; a round that keeps ``Q`` requests running all the time has 0;
+- ``tokens_generated == tokens_useful + tokens_wasted``;
+- response-length statistics are over the trained responses only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollpacker.core.types import EngineStepStats, RoundResult
+
+
+def bubble_ratio(steps: Sequence[EngineStepStats], total_time_s: float, concurrency: int) -> float:
+    """SortedRL's eq. 4 over one rollout of ``total_time_s`` seconds."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency (Q) must be >= 1, got {concurrency}")
+    if total_time_s <= 0:
+        return 0.0
+    busy = sum(min(s.num_running, concurrency) * s.duration_s for s in steps)
+    return min(1.0, max(0.0, 1.0 - busy / (total_time_s * concurrency)))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method); 0.0 for no values."""
+    if not values:
+        return 0.0
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class RolloutMetrics:
+    """One step's rollout, in the names it is logged under (``rollout/<name>``)."""
+
+    step: int
+    round_kind: str
+    time_s: float
+    engine_steps: int
+    groups: int
+    responses: int
+    response_len_max: int
+    response_len_mean: float
+    response_len_p75: float
+    tokens_generated: int
+    tokens_useful: int
+    tokens_wasted: int
+    aborted_requests: int
+    preemptions: int
+    bubble_ratio: float
+    concurrency: int
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def rollout_metrics(
+    result: RoundResult,
+    steps: Sequence[EngineStepStats],
+    time_s: float,
+    concurrency: int,
+    preemptions: int,
+) -> RolloutMetrics:
+    """Summarise a committed round from its result and the engine steps it took."""
+    lens = [c.num_tokens for g in result.groups for c in g.responses]
+    useful = sum(c.num_tokens - c.resumed_tokens for g in result.groups for c in g.responses)
+    wasted = sum(c.num_tokens - c.resumed_tokens for c in result.discarded)
+    return RolloutMetrics(
+        step=result.plan.step,
+        round_kind=result.plan.round_kind.value,
+        time_s=time_s,
+        engine_steps=len(steps),
+        groups=len(result.groups),
+        responses=len(lens),
+        response_len_max=max(lens, default=0),
+        response_len_mean=sum(lens) / len(lens) if lens else 0.0,
+        response_len_p75=percentile(lens, 75),
+        tokens_generated=useful + wasted,
+        tokens_useful=useful,
+        tokens_wasted=wasted,
+        aborted_requests=sum(1 for c in result.discarded if not c.finish_reason.is_natural),
+        preemptions=preemptions,
+        bubble_ratio=bubble_ratio(steps, time_s, concurrency),
+        concurrency=concurrency,
+    )

@@ -1,0 +1,86 @@
+"""Tail batching (RollPacker, section 3): speculative short rounds, a long-prompt queue, long rounds.
+
+A short round launches ``ceil(eta_p * P0)`` new prompts with ``ceil(eta_r * R0)`` responses each.
+A prompt is complete when its first ``R0`` responses finish (its others are aborted at once); the
+round ends when ``P0`` prompts are complete, and every prompt still running is aborted and appended
+to the long-prompt queue. When the queue holds ``>= P0`` prompts the step is a long round: the
+first ``P0`` queued prompts, ``R0`` responses each, no speculation.
+
+Invariants (each has a named test in tests/core/test_tail_batching.py):
+- exactly ``P0`` groups of exactly ``R0`` responses per step;
+- no prompt is lost or trained twice over a run: drawn prompts == trained + queued, disjointly;
+- the long-prompt queue is FIFO;
+- a long round never aborts.
+"""
+
+from __future__ import annotations
+
+from rollpacker.core.config import RolloutConfig
+from rollpacker.core.errors import PolicyError
+from rollpacker.core.policies.base import (
+    GroupedRound,
+    RolloutPolicy,
+    Round,
+    SamplingFactory,
+    check_result,
+)
+from rollpacker.core.prompts import LongPromptQueue, PromptCursor
+from rollpacker.core.types import RoundKind, RoundResult, StepPlan
+
+
+class TailBatchingPolicy(RolloutPolicy):
+    name = "tail_batching"
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        cursor: PromptCursor,
+        sampling: SamplingFactory,
+        queue: LongPromptQueue | None = None,
+        namespace: str = "",
+    ) -> None:
+        self.cfg = cfg
+        self.cursor = cursor
+        self.queue = queue if queue is not None else LongPromptQueue()
+        self._sampling = sampling
+        self.namespace = namespace
+
+    def plan_step(self, step: int) -> StepPlan:
+        p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt
+        if len(self.queue) >= p0:
+            prompts = self.queue.peek(p0)
+            return StepPlan(
+                step=step,
+                round_kind=RoundKind.LONG,
+                prompts=prompts,
+                responses_per_prompt=r0,
+                target_prompts=p0,
+                target_responses=r0,
+                from_queue=tuple(p.prompt_id for p in prompts),
+            )
+        return StepPlan(
+            step=step,
+            round_kind=RoundKind.SHORT,
+            prompts=self.cursor.peek(self.cfg.launched_prompts),
+            responses_per_prompt=self.cfg.launched_responses,
+            target_prompts=p0,
+            target_responses=r0,
+        )
+
+    def open_round(self, plan: StepPlan) -> Round:
+        return GroupedRound(plan, self._sampling, self.namespace)
+
+    def commit(self, result: RoundResult) -> None:
+        check_result(result)
+        plan = result.plan
+        if plan.round_kind is RoundKind.LONG:
+            if result.deferred or any(True for _ in result.discarded):
+                raise PolicyError(f"step {plan.step}: a long round must not abort or defer")
+            popped = self.queue.pop(len(plan.from_queue))
+            if tuple(p.prompt_id for p in popped) != plan.from_queue:
+                raise PolicyError(
+                    f"step {plan.step}: the long-prompt queue changed since the step was planned"
+                )
+        else:
+            self.cursor.advance(len(plan.prompts))
+            self.queue.push(result.deferred)

