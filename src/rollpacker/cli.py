@@ -53,7 +53,7 @@ def bench_rollout(
     ] = 2,
     periods: Annotated[
         int, typer.Option(help="Whole tail-batching periods to run (each ends with a long round).")
-    ] = 2,
+    ] = 4,
     model: Annotated[str, typer.Option(help="Tiny-model preset or a model directory.")] = "bench",
     engine: Annotated[
         str, typer.Option(help="`vllm` (real engine) or `fake` (simulated, for dry runs).")
