@@ -51,3 +51,22 @@ def test_from_mapping_converts_enums_and_checks_types() -> None:
         from_mapping(RolloutConfig, {"policy": "fastest"})
     with pytest.raises(ConfigError, match="prompts_per_step"):
         from_mapping(RolloutConfig, {"prompts_per_step": "many"})
+
+
+def test_experiment_config_rejects_unknown_nested_keys_by_name():
+    from rollpacker.core.config import ExperimentConfig
+
+    with pytest.raises(ConfigError, match=r"'train\.lr_rate'"):
+        from_mapping(ExperimentConfig, {"train": {"lr_rate": 1e-3}})
+    cfg = from_mapping(ExperimentConfig, {"rollout": {"policy": "sync"}, "train": {"loss_norm": "seq_mean"}})
+    assert cfg.rollout.policy.value == "sync" and cfg.train.loss_norm == "seq_mean"
+
+
+def test_stream_trainer_needs_one_mini_batch():
+    from rollpacker.core.config import TrainerConfig
+
+    with pytest.raises(ConfigError, match="one deferred optimizer step"):
+        TrainerConfig(stream=True, mini_batches=2)
+    assert TrainerConfig(stream=False, mini_batches=2).mini_batches == 2
+    with pytest.raises(ConfigError, match="loss_norm"):
+        TrainerConfig(loss_norm="sum")

@@ -148,3 +148,126 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if tp in (int, float, str, bool) and not isinstance(value, tp):
         raise ConfigError(f"{where} = {value!r}: expected {tp.__name__}")
     return value
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The policy-gradient trainer (GRPO with a PPO-clip ratio against behaviour logprobs)."""
+
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0  # max global grad norm (0 disables)
+    clip_eps_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
+    clip_eps_high: float = 0.28
+    kl_coef: float = 0.0  # k3 KL to the reference (the model RL started from); 0 disables
+    loss_norm: str = "token_mean"  # token_mean | seq_mean
+    scale_advantages: bool = True  # GRPO's /std; false = Dr. GRPO
+    mini_batches: int = 1  # optimizer steps per RL step (monolithic mode only)
+    tokens_per_micro_batch: int = 8192  # padded tokens per forward/backward
+    stream: bool = True  # gradients during rollout, one deferred update
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "adam_beta1", "adam_beta2"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"train.{name} = {v!r}: must be a positive number")
+        for name in ("weight_decay", "grad_clip", "kl_coef", "clip_eps_low", "clip_eps_high"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"train.{name} = {v!r}: must be a number >= 0")
+        if self.clip_eps_low >= 1:
+            raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
+        if self.loss_norm not in ("token_mean", "seq_mean"):
+            raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
+        _positive_int("train.mini_batches", self.mini_batches)
+        _positive_int("train.tokens_per_micro_batch", self.tokens_per_micro_batch)
+        if self.stream and self.mini_batches != 1:
+            raise ConfigError(
+                f"train.mini_batches = {self.mini_batches} with train.stream = true: the stream "
+                "trainer takes exactly one deferred optimizer step per RL step; set mini_batches: 1 "
+                "or stream: false"
+            )
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "synthetic_math"  # synthetic_math | humaneval | path/to/file.jsonl[.gz]
+    num_examples: int = 4000  # synthetic tasks only
+    val_size: int = 200  # held-out examples (seeded split)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("task.num_examples", self.num_examples)
+        _positive_int("task.val_size", self.val_size)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # tiny-model preset to build and warm up (ignored when model_dir is set)
+    warmup_steps: int = 400  # supervised warm-up steps on the synthetic task (0: none)
+    model_dir: str = ""  # start from this Hugging Face directory instead
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
+            raise ConfigError(f"model.warmup_steps = {self.warmup_steps!r}: must be an integer >= 0")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    timeout_s: float = 5.0  # per-sample limit for the math checker
+    workers: int = 1  # reward worker processes
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"reward.timeout_s = {self.timeout_s!r}: must be > 0")
+        _positive_int("reward.workers", self.workers)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    every: int = 10  # validate every N steps (and before the first and after the last)
+    temperature: float = 0.0  # 0: greedy
+    max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        _positive_int("validation.every", self.every)
+        _positive_int("validation.max_tokens", self.max_tokens)
+        if self.temperature < 0:
+            raise ConfigError(f"validation.temperature = {self.temperature!r}: must be >= 0")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """``rollpacker train --config FILE``: one YAML document with these sections."""
+
+    experiment: str = "rollpacker-local"
+    run_name: str = ""
+    seed: int = 0
+    steps: int = 30
+    out_dir: str = "build/runs"
+    tracking_uri: str = "sqlite:///build/mlflow.db"
+    checkpoint_every: int = 10  # steps between checkpoints (the last step always checkpoints)
+    task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+
+    def __post_init__(self) -> None:
+        _positive_int("steps", self.steps)
+        _positive_int("checkpoint_every", self.checkpoint_every)
+        if not self.experiment:
+            raise ConfigError("experiment: must be a non-empty name (the MLflow experiment)")
+        if self.rollout.temperature <= 0:
+            raise ConfigError(
+                f"rollout.temperature = {self.rollout.temperature!r}: RL needs sampled responses (> 0)"
+            )

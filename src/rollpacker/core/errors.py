@@ -21,3 +21,7 @@ class EngineError(RollpackerError, RuntimeError):
 
 class PolicyError(RollpackerError, RuntimeError):
     """A policy was driven out of order (an event for an unknown request, a step without a plan)."""
+
+
+class TrainerError(RollpackerError, RuntimeError):
+    """The trainer was driven out of order, or a checkpoint is missing or does not match."""

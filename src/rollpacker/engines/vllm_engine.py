@@ -104,6 +104,11 @@ class VLLMEngine:
     def __init__(self, cfg: EngineConfig, in_process: bool = True) -> None:
         model_dir = check_model_dir(cfg.model_dir)
         self.cfg = cfg
+        if _ON_CPU and not float(cfg.kv_cache_gib).is_integer():
+            raise EngineError(
+                f"engine.kv_cache_gib = {cfg.kv_cache_gib}: vLLM on CPU takes a whole number of GiB "
+                "(VLLM_CPU_KVCACHE_SPACE); use 1 or more"
+            )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         if in_process:
@@ -120,6 +125,9 @@ class VLLMEngine:
             seed=cfg.seed,
             disable_log_stats=False,
             enforce_eager=True,
+            # Behaviour logprobs after temperature (what the token was sampled from), so the
+            # trainer's PPO ratio compares like with like at any temperature.
+            logprobs_mode="processed_logprobs",
         )
         t0 = time.perf_counter()
         try:
@@ -252,7 +260,8 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Replace the served weights in place on every worker (HF checkpoint names and layouts)."""
-        weights = [(n, t.detach().cpu()) for n, t in named_tensors]
+        # A copy: the engine must never alias the trainer's (still changing) parameters.
+        weights = [(n, t.detach().to("cpu", copy=True)) for n, t in named_tensors]
         if not weights:
             raise EngineError("load_weights got no tensors")
 

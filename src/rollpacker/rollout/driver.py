@@ -12,7 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from rollpacker.core.errors import EngineError
@@ -24,6 +24,7 @@ from rollpacker.core.types import (
     EngineStepStats,
     FinishReason,
     GenerationRequest,
+    Group,
     RoundResult,
 )
 from rollpacker.engines.base import RolloutEngine
@@ -50,10 +51,13 @@ def run_round(
     policy_version: int = 0,
     on_step: Callable[[EngineStepStats, int], None] | None = None,
     max_engine_steps: int = 10_000_000,
+    on_group: Callable[[Group], None] | None = None,
 ) -> RoundRun:
     """Drive ``rnd`` on ``engine`` to completion and return its result and metrics.
 
-    ``on_step(stats, completed_so_far)`` is called after each engine step (progress bars).
+    ``on_step(stats, completed_so_far)`` is called after each engine step (progress bars);
+    ``on_group(group)`` as soon as a group is final (rewards and the stream trainer start on it
+    while the rest of the round runs).
     """
     live: dict[str, _Live] = {}
     steps: list[EngineStepStats] = []
@@ -103,6 +107,9 @@ def run_round(
                 completed += 1
                 reason = u.finish_reason or FinishReason.STOP
                 apply(rnd.observe(_completion(st, reason, policy_version, engine.now())))
+                if on_group is not None:
+                    for g in rnd.take_completed():
+                        on_group(g)
         if on_step is not None:
             on_step(stats, completed)
     if live:
@@ -123,6 +130,38 @@ def run_round(
         preemptions=engine.num_preemptions() - preempt0,
     )
     return RoundRun(result=result, metrics=metrics, steps=tuple(steps), engine_tokens=engine_tokens)
+
+
+def generate(
+    engine: RolloutEngine,
+    requests: Sequence[GenerationRequest],
+    on_done: Callable[[Completion], None] | None = None,
+) -> list[Completion]:
+    """Run ``requests`` to completion (no policy: validation, evaluation); results in input order."""
+    live: dict[str, _Live] = {}
+    done: dict[str, Completion] = {}
+    for req in requests:
+        if req.request_id in live:
+            raise EngineError(f"request {req.request_id!r} given twice")
+        engine.add_request(req)
+        live[req.request_id] = _Live(req)
+    while live:
+        if not engine.has_unfinished():
+            raise EngineError(f"the engine ran dry with {len(live)} requests unaccounted for")
+        updates, _ = engine.step()
+        for u in updates:
+            st = live.get(u.request_id)
+            if st is None:
+                continue
+            st.tokens.extend(u.new_token_ids)
+            st.logprobs.extend(u.new_logprobs)
+            if u.finished:
+                del live[u.request_id]
+                c = _completion(st, u.finish_reason or FinishReason.STOP, 0, engine.now())
+                done[u.request_id] = c
+                if on_done is not None:
+                    on_done(c)
+    return [done[r.request_id] for r in requests]
 
 
 def _completion(st: _Live, reason: FinishReason, version: int, now: float) -> Completion:

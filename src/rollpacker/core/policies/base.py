@@ -56,6 +56,11 @@ class Round(abc.ABC):
     @abc.abstractmethod
     def result(self) -> RoundResult: ...
 
+    def take_completed(self) -> tuple[Group, ...]:
+        """Groups that became final since the last call (streamed to rewards and the trainer while
+        the round runs). A group handed out here is in ``result().groups``, unchanged."""
+        return ()
+
 
 @dataclass
 class _PromptProgress:
@@ -88,6 +93,7 @@ class GroupedRound(Round):
         self._owner: dict[str, str] = {}  # request id -> prompt id
         self._complete_order: list[str] = []
         self._discarded: list[Completion] = []
+        self._handed_out = 0
         self._started = False
 
     def start(self) -> Actions:
@@ -136,6 +142,14 @@ class GroupedRound(Round):
     def done(self) -> bool:
         return len(self._complete_order) >= self.plan.target_prompts
 
+    def take_completed(self) -> tuple[Group, ...]:
+        new = self._complete_order[self._handed_out :]
+        self._handed_out = len(self._complete_order)
+        return tuple(self._group(pid) for pid in new)
+
+    def _group(self, pid: str) -> Group:
+        return Group(prompt=self._progress[pid].prompt, responses=tuple(self._progress[pid].finished))
+
     @property
     def live_requests(self) -> int:
         return sum(len(p.live) for p in self._progress.values())
@@ -151,10 +165,7 @@ class GroupedRound(Round):
                 f"step {self.plan.step}: {self.live_requests} requests still running; the runtime "
                 "must apply every abort before asking for the result"
             )
-        groups = tuple(
-            Group(prompt=self._progress[pid].prompt, responses=tuple(self._progress[pid].finished))
-            for pid in self._complete_order
-        )
+        groups = tuple(self._group(pid) for pid in self._complete_order)
         complete = set(self._complete_order)
         deferred = tuple(p for p in self.plan.prompts if p.prompt_id not in complete)
         # Finished responses of prompts that did not complete are generated but not trained.

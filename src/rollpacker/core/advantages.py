@@ -1,0 +1,82 @@
+"""GRPO advantages and the samples a trainer consumes.
+
+A group's advantage of response j is ``(r_j - mean(r)) / (std(r) + eps)`` (population std, as in
+GRPO; ``scale=False`` gives Dr. GRPO's unscaled ``r_j - mean(r)``). Every token of a response gets
+its response's advantage.
+
+Invariants:
+- advantages of a group sum to 0 (within float rounding);
+- a group whose rewards are all equal has all-zero advantages (no signal, no update direction);
+- ``train_samples`` keeps every response's tokens, behaviour logprobs and policy version as sampled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollpacker.core.types import Group
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One response, ready for a policy-gradient loss."""
+
+    sample_id: str  # the request id it was generated under
+    prompt_id: str
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]  # what the rollout engine sampled with
+    advantage: float
+    reward: float
+    policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.response_ids:
+            raise ValueError(f"sample {self.sample_id!r}: empty response; nothing to train on")
+        if len(self.response_ids) != len(self.behaviour_logprobs):
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.response_ids)} tokens but "
+                f"{len(self.behaviour_logprobs)} behaviour logprobs"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.response_ids)
+
+
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6, scale: bool = True) -> tuple[float, ...]:
+    if not rewards:
+        raise ValueError("a group needs at least one reward")
+    n = len(rewards)
+    mean = sum(rewards) / n
+    centered = [r - mean for r in rewards]
+    if not scale:
+        return tuple(centered)
+    std = math.sqrt(sum(c * c for c in centered) / n)
+    return tuple(c / (std + eps) for c in centered)
+
+
+def train_samples(
+    group: Group, rewards: Sequence[float], eps: float = 1e-6, scale: bool = True
+) -> tuple[TrainSample, ...]:
+    """The group's responses as train samples, with group-normalized advantages."""
+    if len(rewards) != len(group.responses):
+        raise ValueError(
+            f"prompt {group.prompt.prompt_id!r}: {len(rewards)} rewards for {len(group.responses)} responses"
+        )
+    adv = group_advantages(rewards, eps=eps, scale=scale)
+    return tuple(
+        TrainSample(
+            sample_id=c.request_id,
+            prompt_id=c.prompt_id,
+            prompt_ids=group.prompt.token_ids,
+            response_ids=c.token_ids,
+            behaviour_logprobs=c.logprobs,
+            advantage=a,
+            reward=r,
+            policy_version=c.policy_version,
+        )
+        for c, r, a in zip(group.responses, rewards, adv, strict=True)
+    )

@@ -1,0 +1,43 @@
+"""Sample-weighted loss normalization: why a streamed gradient equals the monolithic one.
+
+A policy-gradient loss over a batch ``B`` is ``L = (1/D(B)) * sum_{i in B} sum_t w_i * l_{i,t}``:
+
+- ``token-mean``: ``w_i = 1``, ``D(B)`` = number of response tokens in ``B``;
+- ``seq-mean`` (seq-mean-token-mean): ``w_i = 1 / |y_i|``, ``D(B)`` = number of responses.
+
+The stream trainer receives ``B`` in chunks, in any order, while rollout runs. It accumulates the
+gradient of the *unnormalized* sum ``S_c = sum_{i in c} sum_t w_i l_{i,t}`` of each chunk ``c``
+and, once rollout ends and ``D(B)`` is known, scales the sum of gradients by ``1/D(B)`` — the
+paper's ``n_i / N`` (a replica's local mean times its count over the global count). Because
+``sum_c S_c = D(B) * L``, the update is the monolithic one up to float summation order. Averaging
+per-chunk means instead (``mean_c (S_c / D(c))``) is biased whenever chunks differ in size.
+
+Invariants:
+- ``sum(token_weights) / denominator == 1`` over a batch (the stream weights sum to 1);
+- the weights of a sample depend only on the sample, never on the chunk it arrives in.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class LossNorm(enum.Enum):
+    TOKEN_MEAN = "token_mean"
+    SEQ_MEAN = "seq_mean"
+
+
+def token_weight(norm: LossNorm, num_tokens: int) -> float:
+    """The weight ``w_i`` of each token of a response with ``num_tokens`` tokens."""
+    if num_tokens < 1:
+        raise ValueError("a response needs >= 1 token")
+    return 1.0 if norm is LossNorm.TOKEN_MEAN else 1.0 / num_tokens
+
+
+def denominator(norm: LossNorm, response_lengths: Iterable[int]) -> int:
+    """``D(B)``: response tokens (token-mean) or responses (seq-mean) in the whole batch."""
+    lens = list(response_lengths)
+    if not lens:
+        raise ValueError("an empty batch has no loss denominator")
+    return sum(lens) if norm is LossNorm.TOKEN_MEAN else len(lens)

@@ -1,0 +1,68 @@
+"""The trainer port: what the RL loop needs from a training backend.
+
+Implemented by ``TorchTrainer`` (plain torch, this CPU or one GPU); a megatron-core backend
+implements the same port on a cluster (its ``accumulate`` runs without gradient synchronization and
+``finish_step`` all-reduces the unnormalized sums before scaling by the global denominator).
+
+Contract:
+- ``accumulate(samples)`` adds the gradient of the chunk's *unnormalized* loss sum and never
+  changes weights or optimizer state; it may be called any number of times, in any order of
+  chunks, while rollout runs;
+- ``finish_step()`` scales the accumulated gradient by ``1 / D(batch)`` (see
+  ``rollpacker.core.stream_math``), clips, takes one optimizer step and bumps ``policy_version``;
+- ``train_batch(samples)`` is the monolithic path: ``mini_batches`` optimizer steps over the batch;
+- ``weights()`` yields (Hugging Face name, tensor) pairs for the rollout engine's ``load_weights``;
+- ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` round-trip weights, optimizer state, RNG
+  state and ``policy_version`` exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollpacker.core.advantages import TrainSample
+
+
+@dataclass(frozen=True)
+class AccumStats:
+    samples: int
+    tokens: int
+    loss_sum: float  # unnormalized
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrainStats:
+    """One optimizer step (or, from ``train_batch``, the mean over its mini-batches)."""
+
+    samples: int
+    tokens: int
+    loss: float  # normalized, as the monolithic loss
+    grad_norm: float  # before clipping
+    clip_frac: float  # fraction of tokens whose ratio was clipped
+    ratio_mean: float
+    kl: float  # mean per-token k3 KL to the reference (0 when kl_coef is 0)
+    policy_version: int  # after the step
+    seconds: float
+    optimizer_steps: int = 1
+
+
+class Trainer(Protocol):
+    policy_version: int
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats: ...
+
+    def finish_step(self) -> TrainStats: ...
+
+    def train_batch(self, samples: Sequence[TrainSample]) -> TrainStats: ...
+
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]: ...
+
+    def weights(self) -> Iterator[tuple[str, Any]]: ...
+
+    def save_checkpoint(self, path: Path) -> Path: ...
+
+    def load_checkpoint(self, path: Path) -> None: ...

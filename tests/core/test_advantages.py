@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollpacker.core.advantages import group_advantages, train_samples
+from rollpacker.core.stream_math import LossNorm, denominator, token_weight
+from rollpacker.core.types import Completion, FinishReason, Group, Prompt
+
+
+@given(st.lists(st.floats(-10, 10, allow_nan=False), min_size=1, max_size=16), st.booleans())
+def test_group_advantages_sum_to_zero(rewards, scale):
+    assert abs(sum(group_advantages(rewards, scale=scale))) < 1e-6 * max(1.0, len(rewards))
+
+
+def test_equal_rewards_give_zero_advantages():
+    assert group_advantages([1.0, 1.0, 1.0]) == (0.0, 0.0, 0.0)
+
+
+def test_grpo_scaling_divides_by_population_std():
+    adv = group_advantages([1.0, 0.0, 0.0, 0.0], eps=0.0)
+    std = math.sqrt(0.1875)
+    assert adv == pytest.approx((0.75 / std, -0.25 / std, -0.25 / std, -0.25 / std))
+    assert group_advantages([1.0, 0.0], scale=False) == (0.5, -0.5)
+
+
+def test_train_samples_keep_tokens_logprobs_and_versions():
+    p = Prompt("p", (5, 6))
+    comps = tuple(
+        Completion(f"r{j}", "p", j, (1, 2, j + 3), (-0.1, -0.2, -0.3), FinishReason.STOP, policy_version=7)
+        for j in range(2)
+    )
+    samples = train_samples(Group(p, comps), [1.0, 0.0])
+    assert [s.response_ids for s in samples] == [c.token_ids for c in comps]
+    assert all(s.behaviour_logprobs == (-0.1, -0.2, -0.3) and s.policy_version == 7 for s in samples)
+    assert samples[0].advantage > 0 > samples[1].advantage
+    with pytest.raises(ValueError, match="2 responses"):
+        train_samples(Group(p, comps), [1.0])
+
+
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=64), st.sampled_from(list(LossNorm)))
+def test_stream_weights_sum_to_one(lengths, norm):
+    total = sum(token_weight(norm, n) * n for n in lengths)
+    assert total / denominator(norm, lengths) == pytest.approx(1.0)

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from rollpacker.core.advantages import TrainSample, group_advantages
+
+
+@pytest.fixture(scope="session")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen2 (hidden 32) saved in HF format: fast enough for float64 gradient checks."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("small-model")
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def make_batch(num_groups: int, group_size: int, seed: int, vocab: int = 64) -> list[list[TrainSample]]:
+    """Groups of samples with varied prompt/response lengths, random rewards and logprobs."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        prompt = tuple(rng.randrange(1, vocab) for _ in range(rng.randint(2, 9)))
+        rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
+        if len(set(rewards)) == 1:
+            rewards[0] = 1.0 - rewards[0]
+        adv = group_advantages(rewards)
+        samples = []
+        for j in range(group_size):
+            n = rng.choice([1, 2, 3, 5, 8, 13, 30])
+            samples.append(
+                TrainSample(
+                    sample_id=f"g{g}/r{j}",
+                    prompt_id=f"g{g}",
+                    prompt_ids=prompt,
+                    response_ids=tuple(rng.randrange(1, vocab) for _ in range(n)),
+                    behaviour_logprobs=tuple(-rng.uniform(2.0, 6.0) for _ in range(n)),
+                    advantage=adv[j],
+                    reward=rewards[j],
+                )
+            )
+        groups.append(samples)
+    return groups
