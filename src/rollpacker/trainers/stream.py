@@ -38,8 +38,9 @@ class StreamReport:
 
 
 class StreamTrainer:
-    def __init__(self, trainer: TorchTrainer, stream: bool = True) -> None:
+    def __init__(self, trainer: TorchTrainer, stream: bool = True, threads: int = 1) -> None:
         self.trainer = trainer
+        self.threads = threads
         self.stream = stream
         self._q: queue.Queue[object] = queue.Queue()
         self._buffer: list[TrainSample] = []
@@ -53,6 +54,11 @@ class StreamTrainer:
             self._thread.start()
 
     def _run(self) -> None:
+        import torch
+
+        # One intra-op thread for the gradient worker: the engine's decode loop keeps the other
+        # cores. Two OpenMP teams spinning on the same cores slow both down many times over.
+        torch.set_num_threads(max(1, self.threads))
         while True:
             item = self._q.get()
             try:
