@@ -2,7 +2,10 @@
 
 Invariants:
 - the cursor hands out each prompt of an epoch exactly once, in a seeded order that depends only
-  on (seed, epoch); its position is plain data (``CursorState``) so a restart resumes exactly;
+  on (seed, epoch, window); its position is plain data (``CursorState``) so a restart resumes
+  exactly;
+- any ``window`` consecutive prompts it hands out are distinct, across epoch boundaries too (a
+  round draws at most ``window`` prompts at once, and a prompt twice in one round is invalid);
 - the long-prompt queue is FIFO: prompts leave in the order they entered;
 - neither object changes on ``peek``; state moves only on ``advance`` / ``pop`` / ``push``, which the
   policy calls when a round is committed, so a round that dies before commit changes nothing.
@@ -40,6 +43,7 @@ class PromptCursor:
         shuffle: bool = True,
         epochs: int | None = None,
         state: CursorState | None = None,
+        window: int = 1,
     ) -> None:
         if not prompts:
             raise PolicyError("the prompt set is empty: give a dataset or trace with >= 1 prompt")
@@ -47,18 +51,67 @@ class PromptCursor:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise PolicyError(f"prompt id {dup!r} appears more than once; prompt ids must be unique")
+        if window < 1:
+            raise PolicyError(f"window = {window}: must be >= 1")
+        if shuffle and window > 1 and len(prompts) < 2 * window:
+            raise PolicyError(
+                f"{len(prompts)} prompts cannot fill rounds of up to {window} distinct prompts across "
+                f"epoch boundaries (need >= {2 * window}): add prompts or draw fewer per step "
+                "(rollout.prompts_per_step, rollout.eta_p)"
+            )
+        if not shuffle and window > len(prompts):
+            raise PolicyError(
+                f"{len(prompts)} prompts cannot fill a round of {window} distinct prompts: add prompts "
+                "or draw fewer per step"
+            )
         self._prompts = tuple(prompts)
         self._shuffle = shuffle
         self._epochs = epochs
+        self._window = window
+        self._orders: dict[int, list[int]] = {}
         st = state or CursorState(seed=seed, epoch=0, position=0)
         self._seed, self._epoch, self._pos = st.seed, st.epoch, st.position
         self._order = self._order_for(self._epoch)
 
-    def _order_for(self, epoch: int) -> list[int]:
+    def _raw_order(self, epoch: int) -> list[int]:
         order = list(range(len(self._prompts)))
         if self._shuffle:
             random.Random(f"{self._seed}:{epoch}").shuffle(order)
         return order
+
+    def _order_for(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s order: its seeded shuffle, with any of the previous epoch's last
+        ``window`` prompts that fell into its first ``window`` places moved just past them."""
+        if epoch in self._orders:
+            return self._orders[epoch]
+        w = self._window
+        if not self._shuffle or w == 1:
+            order = self._raw_order(epoch)
+        else:
+            # Built forward from epoch 0 (each order depends on the one before); a few shuffles
+            # of the prompt ids per epoch, once per cursor.
+            start = max((e for e in self._orders if e < epoch), default=-1)
+            order = self._orders[start] if start >= 0 else []
+            for e in range(start + 1, epoch + 1):
+                order = self._spread(self._raw_order(e), set(order[-w:]) if e > 0 else set())
+            self._orders.clear()
+        self._orders[epoch] = order
+        return order
+
+    def _spread(self, raw: list[int], prev_tail: set[int]) -> list[int]:
+        w = self._window
+        head, rest = raw[:w], raw[w:]
+        clash = [i for i in head if i in prev_tail]
+        if not clash:
+            return raw
+        fill: list[int] = []
+        later: list[int] = []
+        for i in rest:
+            if len(fill) < len(clash) and i not in prev_tail:
+                fill.append(i)
+            else:
+                later.append(i)
+        return [i for i in head if i not in prev_tail] + fill + clash + later
 
     @property
     def state(self) -> CursorState:

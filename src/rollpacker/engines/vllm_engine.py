@@ -35,6 +35,20 @@ _ON_CPU = os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") == "cpu"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
+class _RotaryReloadNoise(logging.Filter):
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" on every in-place reload.
+
+    The rotary embedding's cos/sin cache is a buffer that no checkpoint carries; vLLM puts the
+    existing one back and warns. It is expected on each weight sync, so it would only be noise.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("RotaryEmbedding: Failed to load weights"))
+
+
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadNoise())
+
+
 def check_model_dir(model_dir: str) -> Path:
     """Fail early, with what to do, on a model directory vLLM could not load."""
     p = Path(model_dir)

@@ -187,7 +187,9 @@ class RLRun:
         by_id = {p.prompt_id: p for p in self.train_prompts}
 
         cursor_state = CursorState(**state["cursor"]) if state else None
-        cursor = PromptCursor(self.train_prompts, seed=cfg.seed, state=cursor_state)
+        cursor = PromptCursor(
+            self.train_prompts, seed=cfg.seed, state=cursor_state, window=cfg.rollout.launched_prompts
+        )
         r = cfg.rollout
         sampling = lambda _p, _j: SamplingSpec(  # noqa: E731
             max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p
