@@ -235,6 +235,19 @@ def _parse_sets(sets: list[str]) -> dict[str, object]:
     return out
 
 
+def _mlflow_bin() -> str:
+    """The mlflow executable beside this interpreter (the venv's), relative to here when inside."""
+    import sys
+
+    exe = Path(sys.executable).parent / "mlflow"
+    if not exe.exists():
+        return "mlflow"
+    try:
+        return str(exe.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
 @app.command("train")
 def train(
     config: Annotated[
@@ -264,7 +277,7 @@ def train(
         f"done: {summary.steps} steps, {summary.trained_samples} samples, validation accuracy "
         f"{summary.val_accuracy_start:.3f} -> {summary.val_accuracy_end:.3f} in {summary.wall_s:.0f} s\n"
         f"MLflow run {summary.run_id} (experiment {cfg.experiment!r})\n"
-        f"look: mlflow ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)\n"
+        f"look: {_mlflow_bin()} ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)\n"
         f"run dir: {summary.run_dir}"
     )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -303,7 +303,11 @@ class RLRun:
         return rec
 
     # -- validation, checkpoints, the loop --------------------------------------------------------
-    def validate(self, step: int) -> dict[str, float]:
+    def validate(
+        self, step: int, prompts: Sequence[Prompt] | None = None, samples: int = 1, tag: str = "val"
+    ) -> dict[str, float]:
+        """Accuracy (mean over ``samples`` responses per prompt) on the held-out split, or on
+        ``prompts`` when given, at the validation temperature, under the engine's current weights."""
         from rollpacker.core.types import GenerationRequest
         from rollpacker.rollout.driver import generate
 
@@ -311,12 +315,13 @@ class RLRun:
         sp = SamplingSpec(max_tokens=v.max_tokens, temperature=v.temperature)
         reqs = [
             GenerationRequest(
-                request_id=f"val/{self.run_dir.name}/s{step}/{p.prompt_id}",
+                request_id=f"{tag}/{self.run_dir.name}/s{step}/{p.prompt_id}/k{j}",
                 prompt=p,
-                sample_index=0,
+                sample_index=j,
                 sampling=sp,
             )
-            for p in self.val_prompts
+            for p in (self.val_prompts if prompts is None else prompts)
+            for j in range(samples)
         ]
         t0 = time.perf_counter()
         comps = generate(self.engine, reqs)
@@ -328,9 +333,9 @@ class RLRun:
         ]
         res = [f.result() for f in futs]
         return {
-            "val/accuracy": sum(r.correct for r in res) / len(res),
-            "val/mean_response_len": sum(c.num_tokens for c in comps) / len(comps),
-            "val/time_s": time.perf_counter() - t0,
+            f"{tag}/accuracy": sum(r.correct for r in res) / len(res),
+            f"{tag}/mean_response_len": sum(c.num_tokens for c in comps) / len(comps),
+            f"{tag}/time_s": time.perf_counter() - t0,
         }
 
     def checkpoint(self, step: int) -> Path:
