@@ -31,6 +31,10 @@ model_app = typer.Typer(help="Tiny local models (no downloads).", no_args_is_hel
 app.add_typer(bench_app, name="bench")
 app.add_typer(trace_app, name="trace")
 app.add_typer(model_app, name="model")
+sandbox_app = typer.Typer(
+    help="The secure code sandbox (nsjail) that code rewards run untrusted programs in.", no_args_is_help=True
+)
+app.add_typer(sandbox_app, name="sandbox")
 
 
 def _fail(e: Exception) -> None:
@@ -312,6 +316,96 @@ def bench_learning(
     png = plot(report, out.with_suffix(".png"))
     typer.echo(render(report))
     typer.echo(f"wrote {out} and {png}")
+
+
+@bench_app.command("reward")
+def bench_reward(
+    problems: Annotated[int, typer.Option(help="Code problems (synthetic code task).")] = 8,
+    responses: Annotated[int, typer.Option(help="Responses per problem.")] = 8,
+    epochs: Annotated[int, typer.Option(help="Passes over the workload (anchors carry over).")] = 2,
+    doomed_share: Annotated[float, typer.Option(help="Share of responses that never terminate.")] = 0.1,
+    wrong_share: Annotated[float, typer.Option(help="Share of responses that fail the tests.")] = 0.3,
+    workers: Annotated[int, typer.Option(help="Sandbox runs at a time.")] = 2,
+    lam: Annotated[float, typer.Option(help="lambda of the adaptive timeout.")] = 1.5,
+    t_min_s: Annotated[float, typer.Option(help="Floor of the adaptive timeout (s).")] = 2.0,
+    t_max_s: Annotated[float, typer.Option(help="Ceiling, and the fixed timeout (s).")] = 30.0,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-reward.json"),
+) -> None:
+    """Reward-stage seconds with adaptive vs fixed sandbox timeouts, measured in one run on the
+    real sandbox, on a code workload where a share of responses never terminate (docs/sandbox.md)."""
+    from rollpacker.bench.reward import render, run_reward_bench
+
+    try:
+        report = run_reward_bench(
+            problems=problems,
+            responses=responses,
+            epochs=epochs,
+            doomed_share=doomed_share,
+            wrong_share=wrong_share,
+            workers=workers,
+            lam=lam,
+            t_min_s=t_min_s,
+            t_max_s=t_max_s,
+            seed=seed,
+        )
+    except RollpackerError as e:
+        _fail(e)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+
+
+@sandbox_app.command("run")
+def sandbox_run(
+    code: Annotated[Path, typer.Option(help="Python file: the program under test (e.g. a model's answer).")],
+    tests: Annotated[
+        Path, typer.Option(help="Python file run after the program, in the same interpreter and globals.")
+    ],
+    timeout_s: Annotated[
+        float, typer.Option(help="Wall seconds the tests may run (the program itself gets 5 s before them).")
+    ] = 10.0,
+    memory_mb: Annotated[int, typer.Option(help="Address-space limit per process in the jail, MB.")] = 512,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON (status, exec_s, per-test outcomes).")
+    ] = False,
+) -> None:
+    """Run a program, then its tests in the same interpreter, in the nsjail sandbox.
+
+    The jail has no network, no host files or environment, and only a 16 MB /scratch to write to.
+
+    It passes when the tests run to their end without an exception (docs/sandbox.md).
+
+    Exit code: 0 passed; 1 failed, timed out or the sandbox failed (status error); 2 usage error.
+    """
+    from rollpacker.rewards.sandbox import Sandbox, SandboxLimits
+
+    sources: dict[str, str] = {}
+    for flag, path in (("--code", code), ("--tests", tests)):
+        if not path.is_file():
+            _fail(RollpackerError(f"{flag} {path}: no such file; give the path of a Python source file"))
+            return
+        sources[flag] = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        limits = SandboxLimits(
+            wall_s=timeout_s + 10.0, cpu_s=timeout_s + 5.0, memory_mb=memory_mb, code_s=5.0
+        )
+        result = Sandbox(limits).run(sources["--code"], sources["--tests"], timeouts_s=timeout_s)
+    except RollpackerError as e:
+        _fail(e)
+        return
+    if json_out:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        typer.echo(f"status: {result.status.value}   exec_s: {result.exec_s:.3f}   {result.detail}")
+        for t in result.tests:
+            typer.echo(f"  test {t.index}: {t.status.value} in {t.exec_s:.3f} s {t.detail}".rstrip())
+        for name, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+            if text:
+                typer.echo(f"--- {name}{' (truncated)' if result.output_truncated else ''}\n{text.rstrip()}")
+    raise typer.Exit(code=0 if result.passed else 1)
 
 
 def main() -> None:

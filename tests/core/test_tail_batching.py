@@ -153,3 +153,23 @@ def test_sync_trains_all_responses_in_order_without_aborts() -> None:
         assert rr.metrics.response_len_max == 2 * (3 * step + 2) + 1
         seen.extend(sorted(g.prompt.prompt_id for g in rr.result.groups))
     assert seen == [p.prompt_id for p in prompts]
+
+
+@settings(max_examples=40, deadline=None)
+@given(cfg=configs, lens=lens_strategy, seed=st.integers(0, 5))
+def test_invariant_a_queued_prompt_is_never_launched_again(cfg, lens, seed) -> None:
+    """Many epochs over a small dataset: a prompt whose wait in the queue spans an epoch boundary is
+    drawn again by the cursor; the short round skips it, so it is never queued twice."""
+    prompts = make_prompts(lens[: max(2 * cfg.launched_prompts, 12)])
+    cursor = PromptCursor(prompts, seed=seed, window=cfg.launched_prompts)
+    pol = TailBatchingPolicy(cfg, cursor, replay_sampling(64, 0))
+    engine = FakeEngine(concurrency=16, kv_capacity_tokens=1 << 30)
+    for step in range(60):
+        plan = pol.plan_step(step)
+        queued = {p.prompt_id for p in pol.queue.snapshot()}
+        if plan.round_kind is RoundKind.SHORT:
+            assert not queued & {p.prompt_id for p in plan.prompts}
+            assert len({p.prompt_id for p in plan.prompts}) == len(plan.prompts)
+        pol.commit(run_round(engine, pol.open_round(plan)).result)
+        ids = [p.prompt_id for p in pol.queue.snapshot()]
+        assert len(ids) == len(set(ids))

@@ -19,8 +19,8 @@ def test_loads_all_164_problems_in_order() -> None:
     for e in exs:
         assert e.reward_kind is RewardKind.CODE
         assert f"def {e.entry_point}(" in e.prompt
-        assert "def check(" in e.tests
-        assert e.tests.rstrip().endswith(f"check({e.entry_point})")
+        assert len(e.tests) == 1 and "def check(" in e.tests[0]
+        assert e.tests[0].rstrip().endswith(f"check({e.entry_point})")
         assert e.metadata["canonical_solution"].strip()
     assert exs[0].entry_point == "has_close_elements"
 
@@ -48,7 +48,7 @@ def test_canonical_solutions_pass_their_tests() -> None:
             "id": e.example_id,
             "prompt": e.prompt,
             "solution": e.metadata["canonical_solution"],
-            "tests": e.tests,
+            "tests": e.tests[0],
         }
         for e in exs
     ]

@@ -21,6 +21,9 @@ EXAMPLES = (
         metadata={"source": "mine", "tags": ["easy"], "nested": {"x": None, "ok": True}},
     ),
     TaskExample("c2", "print hi", RewardKind.CODE, tests="assert True"),
+    TaskExample(
+        "c3", "f?", RewardKind.CODE, tests=("assert f(1) == 2\n", "assert f(2) == 3\n"), entry_point="f"
+    ),
     TaskExample("j1", "Explain TCP. é ✓", RewardKind.JUDGE, reference="A reliable byte stream."),
     TaskExample("j2", "Write a poem.", RewardKind.JUDGE),
 )
@@ -177,3 +180,20 @@ def test_dump_rejects_duplicates_and_unserializable_metadata(tmp_path) -> None:
     with pytest.raises(ConfigError, match="'m': metadata is not JSON-serializable"):
         dump_jsonl([odd], tmp_path / "d.jsonl")
     assert not list(tmp_path.iterdir())
+
+
+def test_tests_may_be_a_list_of_cases_and_each_case_must_compile(tmp_path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text(
+        json.dumps({"id": "c", "prompt": "p", "reward": "code", "tests": ["assert 1", "assert 2"]}) + "\n"
+    )
+    (ex,) = load_jsonl(p)
+    assert ex.tests == ("assert 1", "assert 2") and ex.case_keys() == ("c/0", "c/1")
+    p.write_text(
+        json.dumps({"id": "c", "prompt": "p", "reward": "code", "tests": ["assert 1", "def ("]}) + "\n"
+    )
+    with pytest.raises(ConfigError, match=r"d\.jsonl:1:.*test case 1"):
+        load_jsonl(p)
+    p.write_text(json.dumps({"id": "c", "prompt": "p", "reward": "code", "tests": ["assert 1", ""]}) + "\n")
+    with pytest.raises(ConfigError, match=r"d\.jsonl:1:.*empty or non-string case"):
+        load_jsonl(p)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.timeout import TimeoutConfig
 
 
 class PolicyName(enum.Enum):
@@ -226,9 +227,35 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SandboxConfig:
+    """Code rewards: the sandbox's limits and the adaptive timeout (RollPacker section 4.3)."""
+
+    workers: int = 2  # sandbox runs at a time
+    adaptive: bool = True  # false: every test case gets t_max_s (the fixed-timeout baseline)
+    lam: float = 1.5  # timeout = min(max(t_min_s, lam * T_anchor), t_max_s)
+    t_min_s: float = 2.0
+    t_max_s: float = 30.0
+    memory_mb: int = 512  # address-space limit of the jailed program
+    max_procs: int = 32  # processes the program may start
+
+    def __post_init__(self) -> None:
+        _positive_int("reward.sandbox.workers", self.workers)
+        _positive_int("reward.sandbox.memory_mb", self.memory_mb)
+        _positive_int("reward.sandbox.max_procs", self.max_procs)
+        self.timeouts()  # validates lam / t_min_s / t_max_s
+
+    def timeouts(self) -> TimeoutConfig:
+        return TimeoutConfig(adaptive=self.adaptive, lam=self.lam, t_min_s=self.t_min_s, t_max_s=self.t_max_s)
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     timeout_s: float = 5.0  # per-sample limit for the math checker
-    workers: int = 1  # reward worker processes
+    workers: int = 1  # math reward worker processes
+    sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    # After each step, score the step's responses again, all after rollout, and log that
+    # synchronous reward stage's seconds (reward/sync_stage_s) beside the async tail (reward/tail_s).
+    measure_sync_stage: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

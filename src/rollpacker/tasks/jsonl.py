@@ -9,7 +9,8 @@ Format (the full description, with an example per kind, is in ``docs/tasks.md``)
 
 Keys: ``id`` (string, unique), ``prompt`` (string), ``reward`` (``math`` | ``code`` | ``judge``),
 then per kind: ``math`` needs ``answer`` (string or number, stored as ``TaskExample.reference``);
-``code`` needs ``tests`` (Python source) and takes an optional ``entry_point``; ``judge`` takes an
+``code`` needs ``tests`` (Python source, or a list of test-case sources run in order, each with its
+own timeout) and takes an optional ``entry_point``; ``judge`` takes an
 optional ``reference``. Every kind takes an optional ``metadata`` object.
 
 GSM8K convenience: a line with ``question`` (and no ``prompt``) is read in GSM8K's own format,
@@ -152,6 +153,19 @@ def _get_str(obj: dict[str, Any], key: str, *, required: bool, non_empty: bool) 
     return v
 
 
+def _get_tests(obj: dict[str, Any]) -> tuple[str, ...]:
+    """``tests``: one case as a string, or several as a non-empty list of strings."""
+    v = obj.get("tests")
+    if isinstance(v, str):
+        return (_get_str(obj, "tests", required=True, non_empty=True),)
+    if isinstance(v, list) and v and all(isinstance(t, str) and t.strip() for t in v):
+        return tuple(v)
+    raise _LineError(
+        f"'tests' must be Python source (a string) or a non-empty list of test-case sources, got "
+        f"{_type_name(v)}{' with an empty or non-string case' if isinstance(v, list) and v else ''}"
+    )
+
+
 def _get_metadata(obj: dict[str, Any]) -> dict[str, Any]:
     v = obj.get("metadata", {})
     if not isinstance(v, dict):
@@ -249,19 +263,21 @@ def _parse_native(obj: dict[str, Any]) -> TaskExample:
     if kind is RewardKind.MATH:
         return TaskExample(example_id, prompt, kind, reference=_get_answer(obj), metadata=metadata)
     if kind is RewardKind.CODE:
-        tests = _get_str(obj, "tests", required=True, non_empty=True)
+        tests = _get_tests(obj)
         entry_point = _get_str(obj, "entry_point", required=False, non_empty=False)
         if entry_point and not entry_point.isidentifier():
             raise _LineError(
                 f"'entry_point' {entry_point!r} is not a Python identifier; give the function name "
                 'the tests call, e.g. "entry_point": "add"'
             )
-        try:
-            compile(tests, f"<tests of {example_id}>", "exec")
-        except SyntaxError as e:
-            raise _LineError(
-                f"'tests' do not compile ({e.msg}, line {e.lineno} of the tests); fix the test source"
-            ) from None
+        for i, case in enumerate(tests):
+            try:
+                compile(case, f"<tests of {example_id}>", "exec")
+            except SyntaxError as e:
+                which = f"test case {i}" if len(tests) > 1 else "the tests"
+                raise _LineError(
+                    f"'tests' do not compile ({e.msg}, line {e.lineno} of {which}); fix the test source"
+                ) from None
         return TaskExample(example_id, prompt, kind, tests=tests, entry_point=entry_point, metadata=metadata)
     reference = _get_str(obj, "reference", required=False, non_empty=False)
     return TaskExample(example_id, prompt, kind, reference=reference, metadata=metadata)
@@ -284,7 +300,7 @@ def example_to_json(example: TaskExample) -> dict[str, Any]:
     if example.reward_kind is RewardKind.MATH:
         out["answer"] = example.reference
     elif example.reward_kind is RewardKind.CODE:
-        out["tests"] = example.tests
+        out["tests"] = example.tests[0] if len(example.tests) == 1 else list(example.tests)
         if example.entry_point:
             out["entry_point"] = example.entry_point
     elif example.reference:

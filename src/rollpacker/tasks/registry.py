@@ -4,6 +4,10 @@
 
 - ``"synthetic_math"``: ``synthetic_math.generate(SyntheticMathSpec(num_examples=...), seed)``;
   ``num_examples`` defaults to the spec's default (4000);
+- ``"synthetic_code"``: ``synthetic_code.generate(SyntheticCodeSpec(num_examples=...), seed)``;
+- ``"mixed"``: the multi-task setting: math, code and judge prompts in equal thirds, interleaved
+  (``mixed_tasks``); the judge prompts are synthetic math problems whose reference is the full
+  reference solution, scored by the LLM judge;
 - ``"humaneval"``: the 164 HumanEval problems (``humaneval.load_humaneval``);
 - a path ending in ``.jsonl`` or ``.jsonl.gz``: ``jsonl.load_jsonl``.
 
@@ -21,9 +25,9 @@ from __future__ import annotations
 import difflib
 
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.tasks import TaskExample
+from rollpacker.core.tasks import RewardKind, TaskExample
 
-BUILTIN_TASKS: tuple[str, ...] = ("synthetic_math", "humaneval")
+BUILTIN_TASKS: tuple[str, ...] = ("synthetic_math", "synthetic_code", "mixed", "humaneval")
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz")
 
 
@@ -39,6 +43,17 @@ def load_task(name_or_path: str, seed: int = 0, num_examples: int | None = None)
             else synthetic_math.SyntheticMathSpec(num_examples=num_examples)
         )
         return synthetic_math.generate(spec, seed)
+    if name_or_path == "synthetic_code":
+        from rollpacker.tasks import synthetic_code
+
+        cspec = (
+            synthetic_code.SyntheticCodeSpec()
+            if num_examples is None
+            else synthetic_code.SyntheticCodeSpec(num_examples=num_examples)
+        )
+        return synthetic_code.generate(cspec, seed)
+    if name_or_path == "mixed":
+        return mixed_tasks(seed, 3000 if num_examples is None else num_examples)
     if name_or_path == "humaneval":
         from rollpacker.tasks.humaneval import load_humaneval
 
@@ -55,3 +70,29 @@ def load_task(name_or_path: str, seed: int = 0, num_examples: int | None = None)
             f"path to a dataset file ending in {' or '.join(FILE_SUFFIXES)} (format: docs/tasks.md)"
         )
     return examples if num_examples is None else examples[:num_examples]
+
+
+def mixed_tasks(seed: int, num_examples: int) -> tuple[TaskExample, ...]:
+    """Math, code and judge examples in equal thirds, interleaved (math, code, judge, math, ...)."""
+    from rollpacker.tasks import synthetic_code, synthetic_math
+
+    n = [num_examples // 3 + (1 if i < num_examples % 3 else 0) for i in range(3)]
+    maths = synthetic_math.generate(synthetic_math.SyntheticMathSpec(num_examples=max(1, n[0])), seed)
+    codes = synthetic_code.generate(synthetic_code.SyntheticCodeSpec(num_examples=max(1, n[1])), seed)
+    judged = [
+        TaskExample(
+            example_id=f"judge-{seed}-{i}",
+            prompt=ex.prompt,
+            reward_kind=RewardKind.JUDGE,
+            reference=synthetic_math.reference_solution(ex),
+            metadata={**ex.metadata, "task": "synthetic_judge"},
+        )
+        for i, ex in enumerate(
+            synthetic_math.generate(synthetic_math.SyntheticMathSpec(num_examples=max(1, n[2])), seed + 7919)
+        )
+    ]
+    parts: list[list[TaskExample]] = [list(maths[: n[0]]), list(codes[: n[1]]), judged[: n[2]]]
+    out: list[TaskExample] = []
+    for i in range(max(n)):
+        out.extend(p[i] for p in parts if i < len(p))
+    return tuple(out)

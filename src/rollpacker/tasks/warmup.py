@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollpacker.tasks import synthetic_math
+from rollpacker.tasks import synthetic_code, synthetic_math
 from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir
 
 WARMUP_VERSION = 1
@@ -39,6 +39,11 @@ class WarmupSpec:
     task: synthetic_math.SyntheticMathSpec = field(
         default_factory=lambda: synthetic_math.SyntheticMathSpec(num_examples=20000)
     )
+    # a share of the warm-up data from the synthetic code task (0: math only, 1: code only)
+    code: synthetic_code.SyntheticCodeSpec = field(
+        default_factory=lambda: synthetic_code.SyntheticCodeSpec(num_examples=20000)
+    )
+    code_fraction: float = 0.0
     steps: int = 300
     batch_size: int = 32  # sequences per optimizer step
     tokens_per_micro_batch: int = 4096  # padded tokens per forward/backward
@@ -55,10 +60,15 @@ class WarmupSpec:
                 raise ValueError(f"warm-up {name} = {getattr(self, name)}: must be >= 1")
         if not self.lr > 0:
             raise ValueError(f"warm-up lr = {self.lr}: must be > 0")
+        if not 0.0 <= self.code_fraction <= 1.0:
+            raise ValueError(f"warm-up code_fraction = {self.code_fraction}: must be in [0, 1]")
 
     def key(self) -> str:
+        fields = asdict(self)
+        if self.code_fraction == 0.0:  # math-only specs keep the keys they had before code existed
+            del fields["code"], fields["code_fraction"]
         blob = json.dumps(
-            {"v": WARMUP_VERSION, "base": PRESETS[self.model].key(), **asdict(self)}, sort_keys=True
+            {"v": WARMUP_VERSION, "base": PRESETS[self.model].key(), **fields}, sort_keys=True
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -108,12 +118,28 @@ def _train(
     model = Qwen2ForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model.train()
     eos = int(tok.eos_token_id)
-    examples = synthetic_math.generate(spec.task, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
-    data = [
-        (encode(tok, ex.prompt), [*encode(tok, synthetic_math.reference_solution(ex)), eos])
-        for ex in examples
-    ]
+    math_data = (
+        [
+            (encode(tok, ex.prompt), [*encode(tok, synthetic_math.reference_solution(ex)), eos])
+            for ex in synthetic_math.generate(spec.task, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
+        ]
+        if spec.code_fraction < 1.0
+        else []
+    )
+    code_data = (
+        [
+            (encode(tok, ex.prompt), [*encode(tok, synthetic_code.reference_solution(ex)), eos])
+            for ex in synthetic_code.generate(spec.code, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
+        ]
+        if spec.code_fraction > 0.0
+        else []
+    )
     rng = random.Random(f"warmup:{spec.seed}")
+
+    def draw() -> tuple[list[int], list[int]]:
+        pool = code_data if code_data and (not math_data or rng.random() < spec.code_fraction) else math_data
+        return pool[rng.randrange(len(pool))]
+
     gen = torch.Generator().manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
@@ -123,7 +149,7 @@ def _train(
     del gen
     loss_v = float("nan")
     for step in range(spec.steps):
-        batch = [data[rng.randrange(len(data))] for _ in range(spec.batch_size)]
+        batch = [draw() for _ in range(spec.batch_size)]
         n_tokens = sum(len(r) for _, r in batch)
         opt.zero_grad(set_to_none=True)
         total = 0.0

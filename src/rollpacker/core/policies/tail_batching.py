@@ -10,7 +10,10 @@ Invariants (each has a named test in tests/core/test_tail_batching.py):
 - exactly ``P0`` groups of exactly ``R0`` responses per step;
 - no prompt is lost or trained twice over a run: drawn prompts == trained + queued, disjointly;
 - the long-prompt queue is FIFO;
-- a long round never aborts.
+- a long round never aborts;
+- a short round never launches a prompt that waits in the long-prompt queue: on a small dataset a
+  prompt's wait can span an epoch boundary, and the cursor then hands it out again; that draw is
+  skipped (consumed), so the prompt is trained once, from the queue, and never queued twice.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from rollpacker.core.policies.base import (
     check_result,
 )
 from rollpacker.core.prompts import LongPromptQueue, PromptCursor
-from rollpacker.core.types import RoundKind, RoundResult, StepPlan
+from rollpacker.core.types import Prompt, RoundKind, RoundResult, StepPlan
 
 
 class TailBatchingPolicy(RolloutPolicy):
@@ -44,6 +47,29 @@ class TailBatchingPolicy(RolloutPolicy):
         self.queue = queue if queue is not None else LongPromptQueue()
         self._sampling = sampling
         self.namespace = namespace
+        self._consumed: dict[int, int] = {}  # step -> cursor positions its short round draws
+
+    def _draw(self, n: int) -> tuple[tuple[Prompt, ...], int]:
+        """The next ``n`` distinct prompts that are not waiting in the long-prompt queue, and how
+        many cursor positions they take (skipped draws included)."""
+        skip = {p.prompt_id for p in self.queue.snapshot()}
+        k = n
+        while True:
+            picked: list[Prompt] = []
+            for pos, p in enumerate(self.cursor.peek(k)):
+                if p.prompt_id in skip:
+                    continue
+                skip.add(p.prompt_id)
+                picked.append(p)
+                if len(picked) == n:
+                    return tuple(picked), pos + 1
+            skip = {p.prompt_id for p in self.queue.snapshot()}
+            if k > 4 * n + 2 * len(skip):
+                raise PolicyError(
+                    f"cannot draw {n} prompts that are not waiting in the long-prompt queue "
+                    f"({len(skip)} wait there): the dataset is too small for this step size"
+                )
+            k += n
 
     def plan_step(self, step: int) -> StepPlan:
         p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt
@@ -58,10 +84,12 @@ class TailBatchingPolicy(RolloutPolicy):
                 target_responses=r0,
                 from_queue=tuple(p.prompt_id for p in prompts),
             )
+        prompts, consumed = self._draw(self.cfg.launched_prompts)
+        self._consumed[step] = consumed
         return StepPlan(
             step=step,
             round_kind=RoundKind.SHORT,
-            prompts=self.cursor.peek(self.cfg.launched_prompts),
+            prompts=prompts,
             responses_per_prompt=self.cfg.launched_responses,
             target_prompts=p0,
             target_responses=r0,
@@ -82,5 +110,5 @@ class TailBatchingPolicy(RolloutPolicy):
                     f"step {plan.step}: the long-prompt queue changed since the step was planned"
                 )
         else:
-            self.cursor.advance(len(plan.prompts))
+            self.cursor.advance(self._consumed.pop(plan.step, len(plan.prompts)))
             self.queue.push(result.deferred)

@@ -1,0 +1,322 @@
+"""The LLM judge's task: the prompt it reads, its warm-up data, and its cached warm-up.
+
+The judge reads (problem, candidate response, reference response) and answers ``yes`` or ``no``::
+
+    Problem: start 7, add 3 mod 10, 2 steps
+    Reference: 1: 7+3=0\\n2: 0+3=3\\nAnswer: 3
+    Response: Answer: 3
+    Correct: y|n
+
+(newlines are real). The reference and the response are cut to their last ``TAIL_CHARS``
+characters (``...`` marks a cut): the verdict of a step-by-step solution is decided by its final
+answer, which is at its end, and a bounded prompt keeps the judge's sequence length, and so its
+memory, bounded. The answer is one token: the byte ``y`` or ``n`` (byte-level tokenizer), and the
+judge's score is ``P(yes) = softmax(logit_y, logit_n)[0]``, computed at the last prompt position.
+Batches are right-padded, each row read at its own last token, so batched scoring equals
+per-sample scoring (causal attention never looks right).
+
+Warm-up data (``judge_pairs``) comes from the synthetic math task: a correct candidate is the
+reference solution or a terse ``Answer: <right digit>``; an incorrect one is the reference solution
+with a wrong final answer, with a wrong step carried through (so its final answer is wrong too),
+or a terse wrong answer. Warm-up (``warm_up_judge``) is a short supervised run of a ``tiny_model``
+preset with the loss on the single answer token.
+
+Invariants:
+- ``judge_pairs(n, seed, ...)`` is a pure function of its arguments and balanced: exactly
+  ``n // 2`` positives (``n`` even) and every positive's final answer equals the reference's,
+  every negative's differs;
+- ``judge_prompt`` is a pure function of (problem, response, reference) and its length is bounded
+  by the problem's length plus ``2 * (TAIL_CHARS + 3)`` plus a constant;
+- ``warm_up_judge(spec)`` is deterministic, cached under ``default_cache_dir()/judge-<spec key>``
+  (the key hashes the whole spec and the base model's key), and a cached directory is complete or
+  absent (written to a temporary sibling, then renamed);
+- warm-up pairs and held-out pairs use disjoint seeds, both disjoint from the RL datasets' seeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollpacker.tasks import synthetic_math
+from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir
+
+if TYPE_CHECKING:
+    import torch
+
+JUDGE_WARMUP_VERSION = 1
+TAIL_CHARS = 24  # the reference and the response are cut (or left-padded) to exactly this width
+YES, NO = "yes", "no"  # the verdicts; their first bytes (y, n) are the answer tokens
+JUDGE_TRAIN_SEED_OFFSET = 2_000_003  # warm-up pairs never share a seed with an RL dataset
+JUDGE_EVAL_SEED_OFFSET = 3_000_017  # held-out pairs: disjoint from the warm-up pairs
+
+
+def _tail(text: str, width: int = TAIL_CHARS) -> str:
+    """The last ``width`` characters of ``text`` (``...`` marks a cut), left-padded to exactly ``width``."""
+    text = text.strip()
+    return text.rjust(width) if len(text) <= width else "..." + text[-(width - 3) :]
+
+
+def judge_prompt(problem: str, response: str, reference: str) -> str:
+    """The judge's prompt; the next token is the verdict's first byte (``y`` or ``n``)."""
+    return f"Problem: {problem.strip()}\nReference: {_tail(reference)}\nResponse: {_tail(response)}\nCorrect: "
+
+
+@dataclass(frozen=True)
+class JudgePair:
+    problem: str
+    response: str
+    reference: str
+    label: bool  # True: the response is correct
+    variant: str  # how the response was made: full | terse | wrong_answer | wrong_step | terse_wrong
+
+    @property
+    def prompt(self) -> str:
+        return judge_prompt(self.problem, self.response, self.reference)
+
+
+def _wrong_step_solution(start: int, add: int, n: int, rng: random.Random) -> str:
+    """The solution with one step's result off by ``delta`` (mod 10), carried through to the end."""
+    bad = rng.randrange(1, n + 1)
+    delta = rng.randrange(1, synthetic_math.MODULUS)
+    lines, x = [], start
+    for k in range(1, n + 1):
+        y = (x + add) % synthetic_math.MODULUS
+        if k == bad:
+            y = (y + delta) % synthetic_math.MODULUS
+        lines.append(f"{k}: {x}+{add}={y}")
+        x = y
+    lines.append(f"Answer: {x}")
+    return "\n".join(lines)
+
+
+def judge_pairs(
+    num_pairs: int, seed: int, task: synthetic_math.SyntheticMathSpec | None = None
+) -> tuple[JudgePair, ...]:
+    """Balanced (problem, response, reference, label) pairs built from the synthetic math task."""
+    if num_pairs < 1:
+        raise ValueError(f"num_pairs = {num_pairs}: must be >= 1")
+    task = task or synthetic_math.SyntheticMathSpec(num_examples=num_pairs, max_steps=12)
+    task = synthetic_math.SyntheticMathSpec(
+        num_examples=num_pairs, median_steps=task.median_steps, sigma=task.sigma, max_steps=task.max_steps
+    )
+    rng = random.Random(f"judge-pairs:{seed}")
+    out = []
+    for i, ex in enumerate(synthetic_math.generate(task, seed)):
+        m = ex.metadata
+        start, add, n = int(m["start"]), int(m["add"]), int(m["steps"])
+        reference = synthetic_math.solution_text(start, add, n)
+        right = synthetic_math.answer(start, add, n)
+        wrong = (right + rng.randrange(1, synthetic_math.MODULUS)) % synthetic_math.MODULUS
+        if i % 2 == 0:
+            variant = rng.choice(("full", "terse"))
+            response = reference if variant == "full" else f"Answer: {right}"
+        else:
+            variant = rng.choice(("wrong_answer", "wrong_step", "terse_wrong"))
+            if variant == "wrong_answer":
+                response = reference.rpartition("Answer:")[0] + f"Answer: {wrong}"
+            elif variant == "wrong_step":
+                response = _wrong_step_solution(start, add, n, rng)
+            else:
+                response = f"Answer: {wrong}"
+        out.append(JudgePair(ex.prompt, response, reference, i % 2 == 0, variant))
+    return tuple(out)
+
+
+# --- scoring primitive (shared by the warm-up, the judge reward and the offload runner's checks) ------
+
+
+def verdict_token_ids(tokenizer: Any) -> tuple[int, int]:
+    """Token ids of the verdicts' first bytes: (``y``, ``n``)."""
+    ids = []
+    for word in (YES, NO):
+        toks = tokenizer.encode(word[0], add_special_tokens=False)
+        if len(toks) != 1:
+            raise ValueError(f"the judge's tokenizer splits {word[0]!r} into {toks}; it needs one token")
+        ids.append(int(toks[0]))
+    return ids[0], ids[1]
+
+
+def encode_batch(
+    tokenizer: Any, texts: Sequence[str], device: Any = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``(input_ids, attention_mask, last_index)`` of ``texts``."""
+    import torch
+
+    seqs = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    if not seqs or any(not s for s in seqs):
+        raise ValueError("encode_batch needs at least one text, and no empty text")
+    pad = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+    last = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.long)
+    return ids.to(device), attn.to(device), last.to(device)
+
+
+def last_hidden(model: Any, ids: torch.Tensor, attn: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The final-norm hidden state at each row's last real token: ``[batch, hidden]``."""
+    import torch
+
+    h = model.model(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    return h[torch.arange(h.shape[0], device=h.device), last]
+
+
+def verdict_logits(model: Any, tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
+    """``[batch, 2]`` logits of (``y``, ``n``) after each text, for a HF causal LM ``model``.
+
+    ``model`` needs ``.model`` (the decoder stack) and ``.lm_head``; an offloaded model from
+    ``rollpacker.rewards.offload`` qualifies, so both judges run exactly this code.
+    """
+    device = model.lm_head.weight.device
+    ids, attn, last = encode_batch(tokenizer, texts, device)
+    h = last_hidden(model, ids, attn, last)
+    y, n = verdict_token_ids(tokenizer)
+    return model.lm_head(h)[:, [y, n]].float()
+
+
+def p_yes(logits: torch.Tensor) -> torch.Tensor:
+    """P(yes) from ``[batch, 2]`` (yes, no) logits."""
+    return logits.float().softmax(dim=-1)[:, 0]
+
+
+# --- warm-up ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JudgeWarmupSpec:
+    model: str = "tiny"  # a tiny_model preset
+    task: synthetic_math.SyntheticMathSpec = field(
+        default_factory=lambda: synthetic_math.SyntheticMathSpec(num_examples=20000, max_steps=12)
+    )
+    steps: int = 300
+    batch_size: int = 64
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    eval_pairs: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"judge warm-up model {self.model!r}: use one of {sorted(PRESETS)}")
+        for name in ("steps", "batch_size", "eval_pairs", "warmup_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"judge warm-up {name} = {getattr(self, name)}: must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"judge warm-up lr = {self.lr}: must be > 0")
+
+    def key(self) -> str:
+        blob = json.dumps(
+            {"v": JUDGE_WARMUP_VERSION, "tail": TAIL_CHARS, "base": PRESETS[self.model].key(), **asdict(self)},
+            sort_keys=True,
+        ).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def judge_dir(spec: JudgeWarmupSpec, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / f"judge-{spec.key()}"
+
+
+def warm_up_judge(
+    spec: JudgeWarmupSpec | None = None,
+    cache_dir: Path | None = None,
+    force: bool = False,
+    progress: Callable[[int, float], None] | None = None,
+) -> Path:
+    """Return the directory of the warmed-up judge for ``spec``, training it if not cached.
+
+    The directory holds the model and tokenizer (``from_pretrained``-loadable) and ``judge.json``
+    (the spec, final loss, training seconds, held-out accuracy). ``progress(step, loss)`` is called
+    after each optimizer step.
+    """
+    spec = spec or JudgeWarmupSpec()
+    out = judge_dir(spec, cache_dir)
+    if (out / "judge.json").is_file() and not force:
+        return out
+    base = build_tiny_model(spec.model, cache_dir=cache_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        info = _train(spec, base, tmp, progress)
+        (tmp / "judge.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def judge_info(model_dir: Path) -> dict[str, Any]:
+    """The ``judge.json`` written by ``warm_up_judge`` (held-out accuracy, training time)."""
+    info: dict[str, Any] = json.loads((Path(model_dir) / "judge.json").read_text())
+    return info
+
+
+def evaluate_judge(model: Any, tokenizer: Any, pairs: Sequence[JudgePair], batch_size: int = 64) -> float:
+    """Accuracy of ``P(yes) > 0.5`` against the pairs' labels."""
+    import torch
+
+    hits = 0
+    with torch.inference_mode():
+        for i in range(0, len(pairs), batch_size):
+            chunk = pairs[i : i + batch_size]
+            probs = p_yes(verdict_logits(model, tokenizer, [p.prompt for p in chunk]))
+            hits += sum(int((float(q) > 0.5) == p.label) for q, p in zip(probs, chunk, strict=True))
+    return hits / len(pairs)
+
+
+def _train(
+    spec: JudgeWarmupSpec, base: Path, out: Path, progress: Callable[[int, float], None] | None
+) -> dict[str, float]:
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(base))
+    torch.manual_seed(spec.seed)
+    model = Qwen2ForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model.train()
+    train = judge_pairs(spec.task.num_examples, JUDGE_TRAIN_SEED_OFFSET + spec.seed, spec.task)
+    held_out = judge_pairs(spec.eval_pairs, JUDGE_EVAL_SEED_OFFSET + spec.seed, spec.task)
+    y, n = verdict_token_ids(tok)
+    rng = random.Random(f"judge-warmup:{spec.seed}")
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / spec.warmup_steps) * max(0.05, 1 - s / spec.steps)
+    )
+    loss_v = float("nan")
+    for step in range(spec.steps):
+        batch = [train[rng.randrange(len(train))] for _ in range(spec.batch_size)]
+        ids, attn, last = encode_batch(tok, [p.prompt for p in batch])
+        target = torch.tensor([y if p.label else n for p in batch], dtype=torch.long)
+        opt.zero_grad(set_to_none=True)
+        logits = model.lm_head(last_hidden(model, ids, attn, last)).float()
+        loss = torch.nn.functional.cross_entropy(logits, target)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        loss_v = float(loss.detach())
+        if progress is not None:
+            progress(step, loss_v)
+    train_s = time.perf_counter() - t0
+    model.eval()
+    acc = evaluate_judge(model, tok, held_out)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    return {"final_loss": loss_v, "train_s": train_s, "heldout_accuracy": acc, "heldout_pairs": len(held_out)}
