@@ -88,7 +88,9 @@ def test_decreases_with_sequence_length_and_batch() -> None:
 
 
 def test_too_small_budget_raises_config_error_with_what_to_do() -> None:
-    with pytest.raises(ConfigError, match=r"even with every layer offloaded.*raise the judge's memory budget"):
+    with pytest.raises(
+        ConfigError, match=r"even with every layer offloaded.*raise the judge's memory budget"
+    ):
         _choose(_need(0) - 1)
     with pytest.raises(ConfigError, match="too many"):
         _choose(_need(0, seq_len=100_000), seq_len=100_000 + 1)

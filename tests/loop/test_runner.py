@@ -88,3 +88,37 @@ def test_train_logs_to_mlflow_checkpoints_and_resumes(tmp_path):
     assert [m.step for m in client.get_metric_history(s.run_id, "reward/mean")] == [1, 2, 3, 4, 5]
     assert len(groups.read_text().splitlines()) == 5
     assert exactly_once(groups, s2.leftover_queue)["ok"]
+
+
+@pytest.mark.slow
+def test_mixed_task_routes_each_kind_and_keeps_anchors_in_the_state(tmp_path):
+    """math, code and judge prompts in one run: each response scored by its kind's reward, per-kind
+    means and the synchronous-stage comparison logged, sandbox anchors checkpointed."""
+    from mlflow.tracking import MlflowClient
+
+    from rollpacker.core.timeout import AdaptiveTimeout
+    from rollpacker.loop.runner import RLRun
+
+    text = SMOKE.replace(
+        "task: {num_examples: 200, val_size: 16}", "task: {name: mixed, num_examples: 60, val_size: 6}"
+    )
+    text += "reward: {measure_sync_stage: true, sandbox: {t_min_s: 0.5, t_max_s: 2.0}, "
+    text += "judge: {warmup_steps: 3}}\n"
+    cfg = _config(tmp_path, text, steps=2)
+    run = RLRun(cfg, quiet=True)
+    try:
+        s = run.run(progress=False)
+        run.timeouts.observe("code-0-0/0", 0.25, passed=True)  # as a correct run would
+        run.checkpoint(1)
+    finally:
+        run.close()
+    client = MlflowClient(tracking_uri=cfg.tracking_uri)
+    keys = set(client.get_run(s.run_id).data.metrics)
+    for k in ("reward/math_mean", "reward/code_mean", "reward/judge_mean", "reward/sync_stage_s"):
+        assert k in keys, (k, sorted(keys))
+    state = json.loads((tmp_path / "runs" / "smoke" / "tail_batching-seed0" / "state.json").read_text())
+    anchors = AdaptiveTimeout.from_json(state["timeout_anchors"])
+    assert (
+        anchors.anchor_s("code-0-0/0") == pytest.approx(0.25, abs=1e-9)
+        or anchors.anchor_s("code-0-0/0") > 0.25
+    )

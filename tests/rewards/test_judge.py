@@ -17,7 +17,6 @@ from rollpacker.tasks.judge_task import (
     JudgeWarmupSpec,
     judge_info,
     judge_pairs,
-    judge_prompt,
     warm_up_judge,
 )
 from rollpacker.tasks.tiny_model import build_tiny_model
@@ -52,8 +51,8 @@ def test_is_a_reward_function_and_resolves_every_future(model_dir) -> None:
 
 
 def test_a_score_does_not_depend_on_its_batch(model_dir) -> None:
-    prompts = [p.prompt for p in judge_pairs(7, seed=12)]
-    prompts[3] = judge_prompt("q", "Answer: 1", "Answer: 1")  # a much shorter row
+    prompts = [p.prompt() for p in judge_pairs(7, seed=12)]
+    prompts[3] = "1\n1"  # a much shorter row
     with JudgeReward(model_dir) as judge:
         batched = judge.score_prompts(prompts)
         single = [judge.score_prompts([p])[0] for p in prompts]
@@ -71,7 +70,7 @@ def test_offloaded_judge_scores_equal_the_resident_judge(model_dir, config) -> N
 
 
 def test_memory_budget_chooses_resident_layers_per_batch(model_dir) -> None:
-    prompts = [p.prompt for p in judge_pairs(8, seed=14)]
+    prompts = [p.prompt() for p in judge_pairs(8, seed=14)]
     with JudgeReward(model_dir) as resident:
         want = resident.score_prompts(prompts)
     probe = JudgeReward(model_dir, JudgeConfig(resident_layers=0))
@@ -96,12 +95,11 @@ def test_a_sample_that_cannot_fit_the_budget_is_an_error(model_dir) -> None:
 
 
 def test_misuse_raises(model_dir, tmp_path) -> None:
-    with JudgeReward(model_dir) as judge:
-        with pytest.raises(ConfigError, match="not 'judge'"):
-            judge.submit(RewardRequest("m", TaskExample("m", "q", RewardKind.MATH, reference="1"), "1"))
+    with JudgeReward(model_dir) as judge, pytest.raises(ConfigError, match="not 'judge'"):
+        judge.submit(RewardRequest("m", TaskExample("m", "q", RewardKind.MATH, reference="1"), "1"))
     with pytest.raises(RuntimeError, match="closed"):
         judge.submit(_req(judge_pairs(2, seed=1)[0], 0))
-    with pytest.raises(ConfigError, match="no config.json"):
+    with pytest.raises(ConfigError, match=r"no config\.json"):
         JudgeReward(tmp_path)
     with pytest.raises(ConfigError, match="not both"):
         JudgeConfig(resident_layers=1, memory_budget_bytes=10**9)

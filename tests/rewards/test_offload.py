@@ -15,8 +15,8 @@ import torch
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.rewards.offload import (
-    OffloadedCausalLM,
     HostLayerStore,
+    OffloadedCausalLM,
     OffloadMode,
     all_weight_bytes,
     bench_offload,
@@ -85,7 +85,7 @@ def test_any_number_of_buffers_is_exact(model_dir, resident, n_buffers) -> None:
 
 
 def test_batched_judge_scores_equal_per_sample_and_resident(model_dir, resident, tokenizer) -> None:
-    prompts = [p.prompt for p in judge_pairs(6, seed=3)]
+    prompts = [p.prompt() for p in judge_pairs(6, seed=3)]
     prompts[0] = prompts[0][:20]  # rows of very different lengths: padding matters
     with torch.no_grad():
         ref_batched = verdict_logits(resident, tokenizer, prompts)
@@ -145,15 +145,15 @@ def test_set_resident_layers_moves_layers_and_keeps_numerics(model_dir, resident
 
 def test_from_budget_offloads_more_for_longer_sequences(model_dir) -> None:
     with OffloadedCausalLM(model_dir, 0) as probe:
-        budget = probe.expected_weight_bytes(2) + probe.kv_bytes_per_token() * 64 * 4
+        budget = probe.expected_weight_bytes(1) + probe.kv_bytes_per_token() * 64 * 4
         k_short = probe.plan(budget, seq_len=64, batch=4)
-        k_long = probe.plan(budget, seq_len=128, batch=4)
+        k_long = probe.plan(budget, seq_len=96, batch=4)
         too_small = probe.expected_weight_bytes(0) - 1
-    assert k_short == 2 and k_long < k_short
+    assert (k_short, k_long) == (1, 0)
     with pytest.raises(ConfigError, match="even with every layer offloaded"):
         OffloadedCausalLM.from_budget(model_dir, too_small, seq_len=64, batch=4).close()
     with OffloadedCausalLM.from_budget(model_dir, budget, seq_len=64, batch=4) as runner:
-        assert runner.resident_layers == 2
+        assert runner.resident_layers == 1
 
 
 def test_close_is_idempotent_and_forward_after_close_raises(model_dir) -> None:
@@ -172,7 +172,7 @@ def test_bad_arguments_raise_config_error(model_dir) -> None:
         OffloadedCausalLM(model_dir, 5)
     with pytest.raises(ConfigError, match="n_buffers"):
         OffloadedCausalLM(model_dir, 1, n_buffers=0)
-    with pytest.raises(ConfigError, match="no \\*.safetensors file"):
+    with pytest.raises(ConfigError, match=r"no \*\.safetensors file"):
         HostLayerStore(model_dir / "no-such-dir", 4)
 
 
@@ -249,7 +249,9 @@ def test_cuda_offload_equals_resident_and_uses_less_device_memory(model_dir, mod
         torch.cuda.synchronize()
         assert _diff(out, ref) <= TOL
         st = runner.stats()
-        assert st.peak_resident_weight_bytes == runner.expected_weight_bytes() == full - 2 * runner.layer_bytes
+        assert (
+            st.peak_resident_weight_bytes == runner.expected_weight_bytes() == full - 2 * runner.layer_bytes
+        )
         assert st.peak_cuda_allocated_bytes is not None
         # two of four layers never reach the device (k = 0, two buffers)
         assert st.peak_cuda_allocated_bytes < resident_peak - runner.layer_bytes

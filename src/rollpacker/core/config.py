@@ -249,10 +249,36 @@ class SandboxConfig:
 
 
 @dataclass(frozen=True)
+class JudgeRewardConfig:
+    """Judge rewards: the colocated LLM judge and its layer-wise offload (docs/judge.md)."""
+
+    preset: str = "micro"  # tiny-model preset the judge is warmed up from
+    warmup_steps: int = 150  # supervised judge warm-up steps (cached)
+    max_batch: int = 16  # requests scored together at most
+    resident_layers: int = -1  # -1: every layer resident; k >= 0: stream all but the first k
+    memory_budget_mb: float = 0.0  # > 0: choose k per batch from this budget instead
+
+    def __post_init__(self) -> None:
+        _positive_int("reward.judge.warmup_steps", self.warmup_steps)
+        _positive_int("reward.judge.max_batch", self.max_batch)
+        if isinstance(self.resident_layers, bool) or self.resident_layers < -1:
+            raise ConfigError(
+                f"reward.judge.resident_layers = {self.resident_layers!r}: -1 (all resident) or k >= 0"
+            )
+        if not (math.isfinite(self.memory_budget_mb) and self.memory_budget_mb >= 0):
+            raise ConfigError(f"reward.judge.memory_budget_mb = {self.memory_budget_mb!r}: must be >= 0")
+        if self.memory_budget_mb > 0 and self.resident_layers >= 0:
+            raise ConfigError(
+                "reward.judge: set resident_layers (a fixed k) or memory_budget_mb (k per batch), not both"
+            )
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     timeout_s: float = 5.0  # per-sample limit for the math checker
     workers: int = 1  # math reward worker processes
     sandbox: SandboxConfig = dataclasses.field(default_factory=SandboxConfig)
+    judge: JudgeRewardConfig = dataclasses.field(default_factory=JudgeRewardConfig)
     # After each step, score the step's responses again, all after rollout, and log that
     # synchronous reward stage's seconds (reward/sync_stage_s) beside the async tail (reward/tail_s).
     measure_sync_stage: bool = False

@@ -65,7 +65,9 @@ def resident_weight_bytes(
         raise ConfigError(f"resident_layers = {resident_layers}: must be in [0, {num_layers}]")
     _check("layer_bytes", layer_bytes, 0)
     _check("fixed_bytes", fixed_bytes, 0)
-    return fixed_bytes + (resident_layers + stream_buffers(resident_layers, num_layers, n_buffers)) * layer_bytes
+    return (
+        fixed_bytes + (resident_layers + stream_buffers(resident_layers, num_layers, n_buffers)) * layer_bytes
+    )
 
 
 def judge_memory(

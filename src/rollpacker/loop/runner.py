@@ -38,7 +38,7 @@ from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
 from rollpacker.core.tasks import RewardKind, TaskExample, split
 from rollpacker.core.timeout import AdaptiveTimeout
 from rollpacker.core.types import Group, Prompt, RoundKind, SamplingSpec
-from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
+from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardRouter
 
 # the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
 _CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
@@ -446,8 +446,6 @@ def build_rewards(
 ) -> RewardRouter:
     """One reward function per reward kind the task uses: math-verify workers, the code sandbox
     (adaptive timeouts), the LLM judge."""
-    from rollpacker.rewards.base import RewardFunction, RewardRouter
-
     kinds = {ex.reward_kind for ex in examples}
     fns: list[RewardFunction] = []
     if RewardKind.MATH in kinds:
@@ -467,12 +465,34 @@ def build_rewards(
         )
         fns.append(CodeReward(Sandbox(limits), timeouts, workers=sb.workers))
     if RewardKind.JUDGE in kinds:
-        from rollpacker.rewards.judge import build_judge_reward
-
-        fns.append(build_judge_reward(cfg, quiet=quiet))
+        fns.append(_judge_reward(cfg, quiet))
     router = RewardRouter(fns)
     router.check_covers(examples)
     return router
+
+
+def _judge_reward(cfg: ExperimentConfig, quiet: bool) -> RewardFunction:
+    """The LLM judge, warmed up locally (cached), resident or layer-wise offloaded."""
+    from tqdm import tqdm
+
+    from rollpacker.rewards.judge import JudgeConfig, JudgeReward
+    from rollpacker.tasks.judge_task import JudgeWarmupSpec, warm_up_judge
+
+    j = cfg.reward.judge
+    spec = JudgeWarmupSpec(model=j.preset, steps=j.warmup_steps)
+    bar = tqdm(total=spec.steps, desc="judge warm-up (cached)", unit="step", disable=quiet, leave=False)
+    try:
+        model_dir = warm_up_judge(spec, progress=lambda _s, _l: bar.update(1))
+    finally:
+        bar.close()
+    return JudgeReward(
+        model_dir,
+        JudgeConfig(
+            max_batch=j.max_batch,
+            resident_layers=j.resident_layers if j.resident_layers >= 0 else None,
+            memory_budget_bytes=int(j.memory_budget_mb * (1 << 20)) if j.memory_budget_mb > 0 else None,
+        ),
+    )
 
 
 def _per_kind(results: Sequence[RewardResult], kinds: Sequence[RewardKind]) -> dict[str, float]:

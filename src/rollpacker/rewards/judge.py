@@ -1,7 +1,8 @@
 """The LLM judge reward: a causal LM, colocated with the actor, answers "is this response correct?".
 
 ``JudgeReward`` scores ``judge`` examples: it builds the judge prompt from (the example's prompt,
-the response, the example's ``reference`` response) (``rollpacker.tasks.judge_task.judge_prompt``),
+the response, the example's ``reference`` response) in the format the judge was warmed up with
+(``rollpacker.tasks.judge_task.JudgePromptFormat``, read from the judge's ``judge.json``),
 runs the judge model and reads the probability of ``yes`` at the answer position: ``reward =
 P(yes)`` in [0, 1], ``correct = P(yes) > 0.5``, status ``OK``. The judge is a tiny Qwen2 warmed up
 locally by ``judge_task.warm_up_judge``; any HF causal LM directory with a byte-level tokenizer
@@ -44,7 +45,7 @@ from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind
 from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardStatus
 from rollpacker.rewards.offload import OffloadedCausalLM, OffloadMode, load_resident
-from rollpacker.tasks.judge_task import judge_prompt, p_yes, verdict_logits
+from rollpacker.tasks.judge_task import p_yes, prompt_format, verdict_logits
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,9 @@ class JudgeConfig:
         if self.resident_layers is not None and self.resident_layers < 0:
             raise ConfigError(f"judge resident_layers = {self.resident_layers}: must be >= 0 (or None)")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
-            raise ConfigError(f"judge memory_budget_bytes = {self.memory_budget_bytes}: must be > 0 (or None)")
+            raise ConfigError(
+                f"judge memory_budget_bytes = {self.memory_budget_bytes}: must be > 0 (or None)"
+            )
         if self.memory_budget_bytes is not None and self.resident_layers is not None:
             raise ConfigError(
                 "judge: set resident_layers (a fixed k) or memory_budget_bytes (k chosen per batch), not both"
@@ -100,6 +103,7 @@ class JudgeReward(RewardFunction):
                 "rollpacker.tasks.judge_task.warm_up_judge() (or pass a HF model directory)"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.prompt_format = prompt_format(self.model_dir)  # the format the judge was warmed up with
         self.offload: OffloadedCausalLM | None = None
         cfg = self.config
         if cfg.offloaded:
@@ -147,7 +151,7 @@ class JudgeReward(RewardFunction):
 
     def score(self, problem: str, response: str, reference: str) -> float:
         """``P(yes)`` for one (problem, response, reference), synchronously."""
-        return self.score_prompts([judge_prompt(problem, response, reference)])[0]
+        return self.score_prompts([self.prompt_format.render(problem, response, reference)])[0]
 
     # -- RewardFunction --------------------------------------------------------------------------
 
@@ -208,8 +212,9 @@ class JudgeReward(RewardFunction):
     def _score_jobs(self, batch: list[_Job]) -> list[RewardResult]:
         t0 = time.perf_counter()
         try:
+            fmt = self.prompt_format
             prompts = [
-                judge_prompt(j.req.example.prompt, j.req.response, j.req.example.reference) for j in batch
+                fmt.render(j.req.example.prompt, j.req.response, j.req.example.reference) for j in batch
             ]
             probs = self.score_prompts(prompts)
         except ConfigError as e:  # the batch does not fit the memory budget even fully offloaded

@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import enum
 import json
@@ -97,7 +98,9 @@ def _mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if name == "__metadata__":
             continue
         if meta["dtype"] not in _DTYPES:
-            raise ConfigError(f"{path}: tensor {name!r} has dtype {meta['dtype']}; the offload supports {_DTYPES}")
+            raise ConfigError(
+                f"{path}: tensor {name!r} has dtype {meta['dtype']}; the offload supports {_DTYPES}"
+            )
         dtype = getattr(torch, _DTYPES[meta["dtype"]])
         begin, end = meta["data_offsets"]
         count = (end - begin) // torch.empty((), dtype=dtype).element_size()
@@ -114,7 +117,8 @@ class HostLayerStore:
 
     ``pin=False``: views of the memory-mapped safetensors files (nothing is copied; pages are read
     from the page cache when a layer is streamed). ``pin=True``: page-locked copies, so CUDA copies
-    can be asynchronous.
+    can be asynchronous. ``others`` holds the remaining tensors (embeddings, norm, head) as views
+    of the mapped files: they are copied once into the resident model.
     """
 
     def __init__(self, model_dir: Path, num_layers: int, pin: bool = False) -> None:
@@ -122,19 +126,25 @@ class HostLayerStore:
 
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
-            raise ConfigError(f"{model_dir}: no *.safetensors file; save the judge with safe_serialization=True")
+            raise ConfigError(
+                f"{model_dir}: no *.safetensors file; save the judge with safe_serialization=True"
+            )
         self.layers: list[dict[str, torch.Tensor]] = [{} for _ in range(num_layers)]
+        self.others: dict[str, torch.Tensor] = {}
         for f in files:
             for name, t in _mmap_safetensors(f).items():
                 m = _LAYER_KEY.match(name)
                 if m is None or int(m.group(1)) >= num_layers:
+                    self.others[name] = t
                     continue
                 if pin:
                     t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
                 self.layers[int(m.group(1))][m.group(2)] = t
         missing = [i for i, d in enumerate(self.layers) if not d]
         if missing:
-            raise ConfigError(f"{model_dir}: no weights for decoder layers {missing}; is it a Qwen2-style model?")
+            raise ConfigError(
+                f"{model_dir}: no weights for decoder layers {missing}; is it a Qwen2-style model?"
+            )
 
     def layer_bytes(self, index: int) -> int:
         return sum(t.numel() * t.element_size() for t in self.layers[index].values())
@@ -185,7 +195,7 @@ class OffloadedCausalLM:
         track_memory: bool = True,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if n_buffers < 1:
             raise ConfigError(f"n_buffers = {n_buffers}: must be >= 1 (2 for double buffering)")
@@ -199,24 +209,27 @@ class OffloadedCausalLM:
         self.n_buffers = n_buffers
         self.track_memory = track_memory
         self._cuda = self.device.type == "cuda"
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-        model.eval()
-        model.requires_grad_(False)
-        layers = model.model.layers
-        self.num_layers = len(layers)
+        if not (self.model_dir / "config.json").is_file():
+            raise ConfigError(f"{self.model_dir}: no config.json; pass a HF model directory")
+        config = AutoConfig.from_pretrained(str(self.model_dir))
+        self.num_layers = int(config.num_hidden_layers)
         if not 0 <= resident_layers <= self.num_layers:
             raise ConfigError(f"resident_layers = {resident_layers}: must be in [0, {self.num_layers}]")
         self.host = HostLayerStore(self.model_dir, self.num_layers, pin=self._cuda)
         self.layer_bytes = self.host.layer_bytes(0)
+        # The model is built on the meta device: the offloaded layers never get memory of their own,
+        # the resident part is copied from the memory-mapped file into the compute device.
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.eval()
+        model.requires_grad_(False)
+        layers = model.model.layers
         # per-layer attributes a shared buffer must take on (sliding window layers differ)
         self._layer_attrs = [
-            {
-                "layer_idx": j,
-                "sliding_window": getattr(layers[j].self_attn, "sliding_window", None),
-            }
+            {"layer_idx": j, "sliding_window": getattr(layers[j].self_attn, "sliding_window", None)}
             for j in range(self.num_layers)
         ]
-        self._skeleton = copy.deepcopy(layers[0]).to("meta")  # shape only: buffers are made from it
+        self._skeleton = copy.deepcopy(layers[0])  # on meta: shape only; buffers are made from it
         want = set(self._skeleton.state_dict())
         for j in range(self.num_layers):
             if set(self.host.layers[j]) != want:
@@ -230,8 +243,11 @@ class OffloadedCausalLM:
         ]
         self.resident_layers = resident_layers
         for j in range(resident_layers, self.num_layers):
-            layers[j] = self._standins[j]  # the offloaded layers' own modules are dropped here
-        self.model = model.to(self.device)
+            layers[j] = self._standins[j]  # offloaded: a stand-in, no weights
+        with torch.inference_mode(False):
+            model.to_empty(device=self.device)
+            self._load_fixed_and_resident(model)
+        self.model = model
         self.fixed_bytes = sum(
             p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".layers." not in n
         )
@@ -251,6 +267,25 @@ class OffloadedCausalLM:
         self.reset_stats()
 
     # -- construction helpers --------------------------------------------------------------------
+
+    def _load_fixed_and_resident(self, model: Any) -> None:
+        """Fill the resident part of a ``to_empty`` model from the host store; rebuild its rotary buffers."""
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        for name, dst in model.state_dict(keep_vars=True).items():
+            m = _LAYER_KEY.match(name)
+            if m is not None:
+                src = self.host.layers[int(m.group(1))][m.group(2)]
+            elif name in self.host.others:
+                src = self.host.others[name]
+            elif name == "lm_head.weight" and tied:
+                continue  # the same tensor as the embeddings
+            else:
+                raise ConfigError(f"{self.model_dir}: no weights for {name!r} in the safetensors file(s)")
+            dst.data.copy_(src)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        rotary = model.model.rotary_emb  # non-persistent buffers: computed as from_pretrained does
+        model.model.rotary_emb = type(rotary)(config=model.config).to(self.device)
 
     @classmethod
     def from_budget(
@@ -397,10 +432,8 @@ class OffloadedCausalLM:
         """Wait for copies still in flight (after a failed forward), ignoring their errors."""
         futs, self._copy_futs = list(self._copy_futs.values()), {}
         for f in futs:
-            try:
+            with contextlib.suppress(Exception):  # the forward that scheduled it already failed
                 f.result()
-            except Exception:  # noqa: S110 - the forward that scheduled it already failed
-                pass
 
     def _begin(self) -> None:
         if self._closed:
@@ -484,7 +517,9 @@ class OffloadedCausalLM:
             peak_resident_weight_bytes=self._peak_bytes,
             copy_s=self._copy_s,
             wait_s=self._wait_s,
-            peak_cuda_allocated_bytes=int(torch.cuda.max_memory_allocated(self.device)) if self._cuda else None,
+            peak_cuda_allocated_bytes=int(torch.cuda.max_memory_allocated(self.device))
+            if self._cuda
+            else None,
         )
 
     def close(self) -> None:
@@ -535,31 +570,33 @@ def _rss_anon_bytes() -> int:
 
 
 def _rss_probe(args: dict[str, Any]) -> dict[str, int]:
-    """In a fresh process: anonymous RSS added by loading the judge (resident or offloaded) and
-    running one forward. Prints JSON; used by ``bench_offload(measure_rss=True)``."""
-    import torch
+    """In a fresh process: the anonymous RSS that building the judge and one forward add.
 
-    import transformers  # noqa: F401 - imported before the baseline, so it is not counted
+    The resident judge is built by the same loader with every layer resident, so the figures
+    differ only by what is resident. Prints JSON; used by ``bench_offload(measure_rss=True)``.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    base = _rss_anon_bytes()
     ids = torch.randint(3, 200, (args["batch"], args["seq_len"]))
-    if args["mode"] == "resident":
-        model: Any = load_resident(args["model_dir"])
-    else:
-        runner = OffloadedCausalLM(
-            args["model_dir"], args["k"], n_buffers=args["n_buffers"], mode=OffloadMode(args["mode"])
-        )
-        model = runner.model
-    with torch.no_grad():
-        model.model(input_ids=ids, use_cache=False)
-    out = {"rss_anon_added_bytes": _rss_anon_bytes() - base}
+    with torch.device("meta"):  # import the modeling code before the baseline: it is not the judge
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args["model_dir"]))
+    base = _rss_anon_bytes()
+    k = args["num_layers"] if args["mode"] == "resident" else args["k"]
+    mode = OffloadMode.NAIVE if args["mode"] == "naive" else OffloadMode.PIPELINED
+    with OffloadedCausalLM(args["model_dir"], k, n_buffers=args["n_buffers"], mode=mode) as runner:
+        with torch.no_grad():
+            runner.model.model(input_ids=ids, use_cache=False)
+        out = {"rss_anon_added_bytes": _rss_anon_bytes() - base}
     print(json.dumps(out))
     return out
 
 
 def _rss_in_subprocess(**args: Any) -> int:
-    code = "import json,sys; from rollpacker.rewards.offload import _rss_probe; _rss_probe(json.loads(sys.argv[1]))"
+    code = (
+        "import json, sys\nfrom rollpacker.rewards import offload as o\no._rss_probe(json.loads(sys.argv[1]))"
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args, default=str)],
@@ -580,41 +617,74 @@ def bench_offload(
     n_buffers: int = 2,
     repeats: int = 5,
     device: str = "cpu",
+    threads: int | None = 1,
     measure_rss: bool = False,
     cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Time one forward of the resident model, NAIVE offload (1 buffer) and PIPELINED offload.
 
-    Returns ``{"config": ..., "resident" | "naive" | "pipelined": {"time_s" (median), "peak_resident_weight_bytes",
-    "expected_weight_bytes", "max_abs_diff", "copy_s", "wait_s", ["peak_cuda_allocated_bytes"],
-    ["rss_anon_added_bytes"]}}``. ``resident_layers`` defaults to a quarter of the layers.
+    The three run round-robin (``repeats`` rounds after one warm-up round; the median is
+    reported), so a machine whose speed drifts affects them alike. ``threads`` sets torch's
+    intra-op threads for the run (CPU; ``None`` keeps the current setting). Returns ``{"config":
+    ..., "resident" | "naive" | "pipelined": {"time_s", "peak_resident_weight_bytes",
+    "expected_weight_bytes", "max_abs_diff", "copy_s_per_forward", "wait_s_per_forward",
+    ["peak_cuda_allocated_bytes"], ["rss_anon_added_bytes"]}}``. ``resident_layers`` defaults to
+    a quarter of the layers.
     """
     import torch
 
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _bench(
+            spec, batch, seq_len, resident_layers, n_buffers, repeats, device, measure_rss, cache_dir
+        )
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _bench(
+    spec: TinyModelSpec | str,
+    batch: int,
+    seq_len: int,
+    resident_layers: int | None,
+    n_buffers: int,
+    repeats: int,
+    device: str,
+    measure_rss: bool,
+    cache_dir: Path | None,
+) -> dict[str, Any]:
+    import torch
+
+    cuda = device.startswith("cuda")
     model_dir = build_tiny_model(spec, cache_dir=cache_dir)
     resident = load_resident(model_dir, device)
     num_layers = int(resident.config.num_hidden_layers)
     k = num_layers // 4 if resident_layers is None else resident_layers
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 200, (batch, seq_len), generator=gen).to(device)
+    ids = torch.randint(3, 200, (batch, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
+    runners = {
+        "naive": OffloadedCausalLM(model_dir, k, n_buffers=1, mode=OffloadMode.NAIVE, device=device),
+        "pipelined": OffloadedCausalLM(model_dir, k, n_buffers=n_buffers, device=device),
+    }
+    models: dict[str, Any] = {"resident": resident, **{n: r.model for n, r in runners.items()}}
 
-    def sync() -> None:
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-
-    def timed(model: Any) -> tuple[float, torch.Tensor]:
+    def forward(model: Any) -> torch.Tensor:
         with torch.no_grad():
-            out = model.model(input_ids=ids, use_cache=False).last_hidden_state  # warm-up
-            sync()
-            times = []
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                out = model.model(input_ids=ids, use_cache=False).last_hidden_state
-                sync()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times), out.float().cpu()
+            out = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        if cuda:
+            torch.cuda.synchronize()
+        return out
 
+    outs = {name: forward(m).float().cpu() for name, m in models.items()}  # warm-up round
+    for r in runners.values():
+        r.reset_stats()
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            forward(m)
+            times[name].append(time.perf_counter() - t0)
     report: dict[str, Any] = {
         "config": {
             "model_dir": str(model_dir),
@@ -626,40 +696,49 @@ def bench_offload(
             "repeats": repeats,
             "device": device,
             "torch_threads": torch.get_num_threads(),
+        },
+        "resident": {
+            "time_s": statistics.median(times["resident"]),
+            "peak_resident_weight_bytes": all_weight_bytes(resident),
+            "max_abs_diff": 0.0,
+        },
+    }
+    for name, runner in runners.items():
+        st = runner.stats()
+        report[name] = {
+            "time_s": statistics.median(times[name]),
+            "peak_resident_weight_bytes": st.peak_resident_weight_bytes,
+            "expected_weight_bytes": runner.expected_weight_bytes(),
+            "layer_bytes": runner.layer_bytes,
+            "fixed_bytes": runner.fixed_bytes,
+            "max_abs_diff": float((outs[name] - outs["resident"]).abs().max()),
+            "copy_s_per_forward": st.copy_s / max(1, st.forwards),
+            "wait_s_per_forward": st.wait_s / max(1, st.forwards),
         }
-    }
-    t_res, ref = timed(resident)
-    report["resident"] = {
-        "time_s": t_res,
-        "peak_resident_weight_bytes": all_weight_bytes(resident),
-        "max_abs_diff": 0.0,
-    }
-    if device.startswith("cuda"):
-        report["resident"]["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-    del resident
-    for name, mode, buffers in (("naive", OffloadMode.NAIVE, 1), ("pipelined", OffloadMode.PIPELINED, n_buffers)):
-        if device.startswith("cuda"):
+        runner.close()
+    del models, runners, resident
+    if cuda:  # device memory of each alone: a fresh build, one forward, the allocator's peak
+        for name in ("resident", "naive", "pipelined"):
             torch.cuda.empty_cache()
-        with OffloadedCausalLM(model_dir, k, n_buffers=buffers, mode=mode, device=device) as runner:
-            runner.reset_stats()
-            t, out = timed(runner.model)
-            st = runner.stats()
-            report[name] = {
-                "time_s": t,
-                "peak_resident_weight_bytes": st.peak_resident_weight_bytes,
-                "expected_weight_bytes": runner.expected_weight_bytes(),
-                "layer_bytes": runner.layer_bytes,
-                "fixed_bytes": runner.fixed_bytes,
-                "max_abs_diff": float((out - ref).abs().max()),
-                "copy_s_per_forward": st.copy_s / max(1, st.forwards),
-                "wait_s_per_forward": st.wait_s / max(1, st.forwards),
-            }
-            if st.peak_cuda_allocated_bytes is not None:
-                report[name]["peak_cuda_allocated_bytes"] = st.peak_cuda_allocated_bytes
+            torch.cuda.reset_peak_memory_stats()
+            if name == "resident":
+                forward(load_resident(model_dir, device))
+            else:
+                mode = OffloadMode.NAIVE if name == "naive" else OffloadMode.PIPELINED
+                buffers = 1 if name == "naive" else n_buffers
+                with OffloadedCausalLM(model_dir, k, n_buffers=buffers, mode=mode, device=device) as r:
+                    forward(r.model)
+            report[name]["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     if measure_rss:
         for name, buffers in (("resident", n_buffers), ("naive", 1), ("pipelined", n_buffers)):
             report[name]["rss_anon_added_bytes"] = _rss_in_subprocess(
-                mode=name, model_dir=str(model_dir), k=k, n_buffers=buffers, batch=batch, seq_len=seq_len
+                mode=name,
+                model_dir=str(model_dir),
+                num_layers=num_layers,
+                k=k,
+                n_buffers=buffers,
+                batch=batch,
+                seq_len=seq_len,
             )
     return report
 

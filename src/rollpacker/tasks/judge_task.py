@@ -1,35 +1,39 @@
 """The LLM judge's task: the prompt it reads, its warm-up data, and its cached warm-up.
 
-The judge reads (problem, candidate response, reference response) and answers ``yes`` or ``no``::
+The judge reads (problem, candidate response, reference response) and answers ``yes`` or ``no``.
+Its prompt (``JudgePromptFormat``, stored with the warmed-up judge) is, by default, the last
+``tail_chars`` characters of the response, a newline, the last ``tail_chars`` of the reference
+(each left-padded to exactly that width), and the verdict follows at once::
 
-    Problem: start 7, add 3 mod 10, 2 steps
-    Reference: 1: 7+3=0\\n2: 0+3=3\\nAnswer: 3
-    Response: Answer: 3
-    Correct: y|n
+    =2\nAnswer: 5            <- response tail (12 characters)
+    =2\nAnswer: 2            <- reference tail
+    y|n                      <- the answer token
 
-(newlines are real). The reference and the response are cut to their last ``TAIL_CHARS``
-characters (``...`` marks a cut): the verdict of a step-by-step solution is decided by its final
-answer, which is at its end, and a bounded prompt keeps the judge's sequence length, and so its
-memory, bounded. The answer is one token: the byte ``y`` or ``n`` (byte-level tokenizer), and the
-judge's score is ``P(yes) = softmax(logit_y, logit_n)[0]``, computed at the last prompt position.
-Batches are right-padded, each row read at its own last token, so batched scoring equals
+The verdict of a step-by-step solution is decided by its final answer, which is at its end, and
+the prompt is compact on purpose: a tiny judge trained from scratch learns to compare the two
+answers only when little else competes for its attention (measured on this CPU, ``micro``, batch
+256: 1.00 held-out accuracy after 150 steps with this format; 0.59 after 175 steps with the
+problem line in front, ``include_problem=True``; a longer tail or a batch of 32 stays at chance
+for hundreds of steps). The answer is one token: the byte ``y`` or ``n`` (byte-level tokenizer),
+and the judge's score is ``P(yes) = softmax(logit_y, logit_n)[0]`` at the last prompt position.
+Batches are right-padded and each row is read at its own last token, so batched scoring equals
 per-sample scoring (causal attention never looks right).
 
 Warm-up data (``judge_pairs``) comes from the synthetic math task: a correct candidate is the
 reference solution or a terse ``Answer: <right digit>``; an incorrect one is the reference solution
 with a wrong final answer, with a wrong step carried through (so its final answer is wrong too),
 or a terse wrong answer. Warm-up (``warm_up_judge``) is a short supervised run of a ``tiny_model``
-preset with the loss on the single answer token.
+preset (``micro`` by default) with the loss on the single answer token.
 
 Invariants:
 - ``judge_pairs(n, seed, ...)`` is a pure function of its arguments and balanced: exactly
-  ``n // 2`` positives (``n`` even) and every positive's final answer equals the reference's,
-  every negative's differs;
-- ``judge_prompt`` is a pure function of (problem, response, reference) and its length is bounded
-  by the problem's length plus ``2 * (TAIL_CHARS + 3)`` plus a constant;
+  ``ceil(n / 2)`` positives; every positive's final answer equals the reference's, every
+  negative's differs;
+- a rendered prompt is a pure function of (format, problem, response, reference); without the
+  problem its length is exactly ``2 * tail_chars + 1``;
 - ``warm_up_judge(spec)`` is deterministic, cached under ``default_cache_dir()/judge-<spec key>``
-  (the key hashes the whole spec and the base model's key), and a cached directory is complete or
-  absent (written to a temporary sibling, then renamed);
+  (the key hashes the whole spec, prompt format included, and the base model's key), and a cached
+  directory is complete or absent (written to a temporary sibling, then renamed);
 - warm-up pairs and held-out pairs use disjoint seeds, both disjoint from the RL datasets' seeds.
 """
 
@@ -54,21 +58,37 @@ if TYPE_CHECKING:
     import torch
 
 JUDGE_WARMUP_VERSION = 1
-TAIL_CHARS = 24  # the reference and the response are cut (or left-padded) to exactly this width
 YES, NO = "yes", "no"  # the verdicts; their first bytes (y, n) are the answer tokens
 JUDGE_TRAIN_SEED_OFFSET = 2_000_003  # warm-up pairs never share a seed with an RL dataset
 JUDGE_EVAL_SEED_OFFSET = 3_000_017  # held-out pairs: disjoint from the warm-up pairs
 
 
-def _tail(text: str, width: int = TAIL_CHARS) -> str:
-    """The last ``width`` characters of ``text`` (``...`` marks a cut), left-padded to exactly ``width``."""
-    text = text.strip()
-    return text.rjust(width) if len(text) <= width else "..." + text[-(width - 3) :]
+def _tail(text: str, width: int) -> str:
+    """The last ``width`` characters of ``text`` (stripped), left-padded with spaces to exactly ``width``."""
+    return text.strip()[-width:].rjust(width)
 
 
-def judge_prompt(problem: str, response: str, reference: str) -> str:
-    """The judge's prompt; the next token is the verdict's first byte (``y`` or ``n``)."""
-    return f"Problem: {problem.strip()}\nReference: {_tail(reference)}\nResponse: {_tail(response)}\nCorrect: "
+@dataclass(frozen=True)
+class JudgePromptFormat:
+    tail_chars: int = 12  # characters kept from the end of the response and of the reference
+    include_problem: bool = False  # prefix "Problem: <problem>\n" (see the module docstring)
+
+    def __post_init__(self) -> None:
+        if self.tail_chars < 1:
+            raise ValueError(f"judge prompt tail_chars = {self.tail_chars}: must be >= 1")
+
+    def render(self, problem: str, response: str, reference: str) -> str:
+        """The judge's prompt; the next token is the verdict's first byte (``y`` or ``n``)."""
+        head = f"Problem: {problem.strip()}\n" if self.include_problem else ""
+        return f"{head}{_tail(response, self.tail_chars)}\n{_tail(reference, self.tail_chars)}"
+
+
+DEFAULT_FORMAT = JudgePromptFormat()
+
+
+def judge_prompt(problem: str, response: str, reference: str, fmt: JudgePromptFormat = DEFAULT_FORMAT) -> str:
+    """The judge's prompt in format ``fmt`` (the default format unless a judge was trained otherwise)."""
+    return fmt.render(problem, response, reference)
 
 
 @dataclass(frozen=True)
@@ -79,9 +99,8 @@ class JudgePair:
     label: bool  # True: the response is correct
     variant: str  # how the response was made: full | terse | wrong_answer | wrong_step | terse_wrong
 
-    @property
-    def prompt(self) -> str:
-        return judge_prompt(self.problem, self.response, self.reference)
+    def prompt(self, fmt: JudgePromptFormat = DEFAULT_FORMAT) -> str:
+        return fmt.render(self.problem, self.response, self.reference)
 
 
 def _wrong_step_solution(start: int, add: int, n: int, rng: random.Random) -> str:
@@ -197,13 +216,14 @@ def p_yes(logits: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class JudgeWarmupSpec:
-    model: str = "tiny"  # a tiny_model preset
+    model: str = "micro"  # a tiny_model preset
     task: synthetic_math.SyntheticMathSpec = field(
         default_factory=lambda: synthetic_math.SyntheticMathSpec(num_examples=20000, max_steps=12)
     )
-    steps: int = 300
-    batch_size: int = 64
-    lr: float = 2e-3
+    prompt: JudgePromptFormat = field(default_factory=JudgePromptFormat)
+    steps: int = 150
+    batch_size: int = 256  # large on purpose: the answer-comparison signal is faint early on
+    lr: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 20
     eval_pairs: int = 512
@@ -220,7 +240,7 @@ class JudgeWarmupSpec:
 
     def key(self) -> str:
         blob = json.dumps(
-            {"v": JUDGE_WARMUP_VERSION, "tail": TAIL_CHARS, "base": PRESETS[self.model].key(), **asdict(self)},
+            {"v": JUDGE_WARMUP_VERSION, "base": PRESETS[self.model].key(), **asdict(self)},
             sort_keys=True,
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
@@ -267,7 +287,21 @@ def judge_info(model_dir: Path) -> dict[str, Any]:
     return info
 
 
-def evaluate_judge(model: Any, tokenizer: Any, pairs: Sequence[JudgePair], batch_size: int = 64) -> float:
+def prompt_format(model_dir: Path) -> JudgePromptFormat:
+    """The prompt format a judge was warmed up with (the default for a directory without ``judge.json``)."""
+    f = Path(model_dir) / "judge.json"
+    if not f.is_file():
+        return DEFAULT_FORMAT
+    return JudgePromptFormat(**judge_info(model_dir)["spec"]["prompt"])
+
+
+def evaluate_judge(
+    model: Any,
+    tokenizer: Any,
+    pairs: Sequence[JudgePair],
+    fmt: JudgePromptFormat = DEFAULT_FORMAT,
+    batch_size: int = 64,
+) -> float:
     """Accuracy of ``P(yes) > 0.5`` against the pairs' labels."""
     import torch
 
@@ -275,12 +309,27 @@ def evaluate_judge(model: Any, tokenizer: Any, pairs: Sequence[JudgePair], batch
     with torch.inference_mode():
         for i in range(0, len(pairs), batch_size):
             chunk = pairs[i : i + batch_size]
-            probs = p_yes(verdict_logits(model, tokenizer, [p.prompt for p in chunk]))
+            probs = p_yes(verdict_logits(model, tokenizer, [p.prompt(fmt) for p in chunk]))
             hits += sum(int((float(q) > 0.5) == p.label) for q, p in zip(probs, chunk, strict=True))
     return hits / len(pairs)
 
 
 def _train(
+    spec: JudgeWarmupSpec, base: Path, out: Path, progress: Callable[[int, float], None] | None
+) -> dict[str, float]:
+    import torch
+
+    threads = torch.get_num_threads()
+    # one thread: the judge's matrices are too small to gain from a second one, and on a busy
+    # machine an oversubscribed OpenMP team is several times slower (measured here: 8 s vs 1 s/step)
+    torch.set_num_threads(1)
+    try:
+        return _train_single_threaded(spec, base, out, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_single_threaded(
     spec: JudgeWarmupSpec, base: Path, out: Path, progress: Callable[[int, float], None] | None
 ) -> dict[str, float]:
     import torch
@@ -302,7 +351,7 @@ def _train(
     loss_v = float("nan")
     for step in range(spec.steps):
         batch = [train[rng.randrange(len(train))] for _ in range(spec.batch_size)]
-        ids, attn, last = encode_batch(tok, [p.prompt for p in batch])
+        ids, attn, last = encode_batch(tok, [p.prompt(spec.prompt) for p in batch])
         target = torch.tensor([y if p.label else n for p in batch], dtype=torch.long)
         opt.zero_grad(set_to_none=True)
         logits = model.lm_head(last_hidden(model, ids, attn, last)).float()
@@ -316,7 +365,7 @@ def _train(
             progress(step, loss_v)
     train_s = time.perf_counter() - t0
     model.eval()
-    acc = evaluate_judge(model, tok, held_out)
+    acc = evaluate_judge(model, tok, held_out, spec.prompt)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     return {"final_loss": loss_v, "train_s": train_s, "heldout_accuracy": acc, "heldout_pairs": len(held_out)}

@@ -2,17 +2,17 @@
 
 Each problem asks for a function that walks a counter to a target in strides::
 
-    prompt:   "code: add 3 mod 10, 12 steps of 2\\n"
+    prompt:   "code: add 3 mod 10, n to 24 by 2\\n"
     solution: "def f(x):\\n    n = 0\\n    while n != 24:\\n        x = (x + 3) % 10\\n"
               "        n += 2\\n    return x"
 
-The loop bound is ``steps * stride``, which the model has to compute. A wrong bound that is a
-multiple of the stride gives a wrong answer (the tests fail fast); one that is not (or a wrong
-stride) makes ``n`` jump over it and the loop **never ends**: exactly the doomed responses that a
-fixed 30 s sandbox timeout waits out and the adaptive timeout cuts (RollPacker section 4.3). The
-tests are several cases ``assert f(x0) == answer`` with different ``x0``; each case has its own
-adaptive-timeout anchor. ``steps`` is log-normal (median ``median_steps``), so the loop runs from
-one to ~``max_steps * stride`` iterations.
+The model has to carry the bound and the stride from the prompt into the loop. A slip in the bound
+that keeps it a multiple of the stride gives a wrong answer (the tests fail fast); one that does
+not (or a wrong stride) makes ``n`` jump over the bound and the loop **never ends**: exactly the
+doomed responses that a fixed 30 s sandbox timeout waits out and the adaptive timeout cuts
+(RollPacker section 4.3). The tests are several cases ``assert f(x0) == answer`` with different
+``x0``; each case has its own adaptive-timeout anchor. The number of steps (bound / stride) is
+log-normal (median ``median_steps``), so the loop runs from one to ``max_steps`` iterations.
 
 Invariants:
 - ``generate(spec, seed)`` is a pure function of (spec, seed); ids are ``code-<seed>-<i>``;
@@ -31,6 +31,7 @@ from rollpacker.core.tasks import RewardKind, TaskExample
 
 MODULUS = 10
 ENTRY_POINT = "f"
+TASK_VERSION = 2  # bump when the prompt or solution text changes (warm-up cache keys include it)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class SyntheticCodeSpec:
 
 
 def prompt_text(add: int, steps: int, stride: int) -> str:
-    return f"code: add {add} mod {MODULUS}, {steps} steps of {stride}\n"
+    return f"code: add {add} mod {MODULUS}, n to {steps * stride} by {stride}\n"
 
 
 def program(add: int, bound: int, stride: int) -> str:
