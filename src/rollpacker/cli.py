@@ -6,6 +6,8 @@ rollpacker model build --preset bench                      # build (or find) a t
 rollpacker model warmup --steps 400                        # supervised warm-up (cached)
 rollpacker train --config configs/default.yaml             # N RL steps, metrics to MLflow
 rollpacker bench learning --config configs/default.yaml    # sync vs tail batching, 3 seeds
+rollpacker bench reward                                    # adaptive vs fixed sandbox timeouts
+rollpacker sandbox run --code a.py --tests t.py --json     # a program and its tests in the jail
 """
 
 from __future__ import annotations

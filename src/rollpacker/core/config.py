@@ -282,6 +282,10 @@ class RewardConfig:
     # After each step, score the step's responses again, all after rollout, and log that
     # synchronous reward stage's seconds (reward/sync_stage_s) beside the async tail (reward/tail_s).
     measure_sync_stage: bool = False
+    # Score each response when it finishes (true) or each group when it is final (false); per
+    # response leaves only the last response's scoring after rollout ends, at the cost of scoring
+    # responses of prompts a short round then defers (reward/wasted).
+    per_response: bool = True
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

@@ -3,9 +3,10 @@
 One RL step (``RLRun.step``), readable on one screen:
 
 1. the policy plans the step (short / long / standard round) from the cursor and the long queue;
-2. rollout runs on the vLLM engine; each group that becomes final is scored per sample by the
-   reward functions (worker processes) while rollout goes on, and each fully rewarded group is
-   handed to the stream trainer, which accumulates its gradient during rollout;
+2. rollout runs on the vLLM engine; each response is scored by its reward function (math-verify
+   workers, the code sandbox, the judge) as soon as it finishes, while rollout goes on, and each
+   final, fully rewarded group is handed to the stream trainer, which accumulates its gradient
+   during rollout;
 3. when rollout ends, the remaining rewards are drained and the stream trainer takes its one
    deferred optimizer step (or, with ``train.stream: false``, trains the whole batch now);
 4. the new weights are pushed into the engine in place, the policy commits (cursor, queue), and
@@ -37,7 +38,7 @@ from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
 from rollpacker.core.tasks import RewardKind, TaskExample, split
 from rollpacker.core.timeout import AdaptiveTimeout
-from rollpacker.core.types import Group, Prompt, RoundKind, SamplingSpec
+from rollpacker.core.types import Completion, Group, Prompt, RoundKind, SamplingSpec
 from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardRouter
 
 # the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
@@ -96,7 +97,9 @@ class RunSummary:
 
 
 class _GroupRewards:
-    """Scores each final group's responses as they arrive; yields fully rewarded groups."""
+    """Scores each response as soon as it finishes (``on_response``), and hands out each final
+    group once all its responses are scored (``on_group`` / ``take_ready``). A response whose
+    prompt ends up deferred (tail batching) was scored for nothing: ``wasted`` counts those."""
 
     def __init__(
         self,
@@ -114,15 +117,30 @@ class _GroupRewards:
         self.results: list[RewardResult] = []
         self.kinds: list[RewardKind] = []  # the reward kind of each result
         self.last_done_s = 0.0
+        self._early: dict[str, Future[RewardResult]] = {}  # scored on finishing, not yet grouped
+
+    def _request(self, c: Completion) -> Future[RewardResult]:
+        ex = self._examples[c.prompt_id]
+        return self._submit(
+            RewardRequest(sample_id=c.request_id, example=ex, response=self._decode(c.token_ids))
+        )
+
+    def on_response(self, c: Completion) -> None:
+        fut = self._request(c)
+        with self._lock:
+            self._early[c.request_id] = fut
+
+    @property
+    def wasted(self) -> int:
+        """Responses scored on finishing that no final group took (their prompt was deferred)."""
+        with self._lock:
+            return len(self._early)
 
     def on_group(self, group: Group) -> None:
         ex = self._examples[group.prompt.prompt_id]
-        futs = [
-            self._submit(
-                RewardRequest(sample_id=c.request_id, example=ex, response=self._decode(c.token_ids))
-            )
-            for c in group.responses
-        ]
+        with self._lock:
+            early = [self._early.pop(c.request_id, None) for c in group.responses]
+        futs = [f if f is not None else self._request(c) for f, c in zip(early, group.responses, strict=True)]
         with self._lock:
             self._pending += 1
         box: list[RewardResult | None] = [None] * len(futs)
@@ -256,6 +274,7 @@ class RLRun:
             self.policy.open_round(plan),
             policy_version=self.trainer.policy_version,
             on_group=scorer.on_group,
+            on_response=scorer.on_response if self.cfg.reward.per_response else None,
             on_step=push_ready,
         )
         t_rollout = time.perf_counter()
@@ -294,6 +313,7 @@ class RLRun:
             **_per_kind(scorer.results, scorer.kinds),
             **sync_stage,
             "reward/timeouts": float(sum(r.status.value == "timeout" for r in scorer.results)),
+            "reward/wasted": float(scorer.wasted),
             "train/time_s": report.finish_s,
             "train/overlap_s": report.overlap_s,
             "train/streamed_samples": float(report.streamed_samples),

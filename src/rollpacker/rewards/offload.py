@@ -159,6 +159,8 @@ def _streamed_layer_class() -> type:
     class StreamedLayer(torch.nn.Module):
         """Holds no weights: runs the buffer that the runner has loaded with layer ``index``."""
 
+        _runner: OffloadedCausalLM
+
         def __init__(self, runner: OffloadedCausalLM, index: int, attention_type: str | None) -> None:
             super().__init__()
             object.__setattr__(self, "_runner", runner)  # not a submodule: its tensors are not ours
@@ -264,6 +266,8 @@ class OffloadedCausalLM:
         self.model.model.register_forward_pre_hook(lambda mod, args: self._begin())
         self.model.model.register_forward_hook(lambda mod, args, out: self._end())
         self._closed = False
+        self._forwards = self._streamed = self._peak_bytes = 0
+        self._copy_s = self._wait_s = 0.0
         self.reset_stats()
 
     # -- construction helpers --------------------------------------------------------------------
@@ -677,7 +681,9 @@ def _bench(
         return out
 
     outs = {name: forward(m).float().cpu() for name, m in models.items()}  # warm-up round
+    peaks = {name: r.stats().peak_resident_weight_bytes for name, r in runners.items()}
     for r in runners.values():
+        r.track_memory = False  # measured in the warm-up round; the walk would add to the timings
         r.reset_stats()
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats):
@@ -707,7 +713,7 @@ def _bench(
         st = runner.stats()
         report[name] = {
             "time_s": statistics.median(times[name]),
-            "peak_resident_weight_bytes": st.peak_resident_weight_bytes,
+            "peak_resident_weight_bytes": peaks[name],
             "expected_weight_bytes": runner.expected_weight_bytes(),
             "layer_bytes": runner.layer_bytes,
             "fixed_bytes": runner.fixed_bytes,

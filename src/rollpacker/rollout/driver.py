@@ -52,12 +52,14 @@ def run_round(
     on_step: Callable[[EngineStepStats, int], None] | None = None,
     max_engine_steps: int = 10_000_000,
     on_group: Callable[[Group], None] | None = None,
+    on_response: Callable[[Completion], None] | None = None,
 ) -> RoundRun:
     """Drive ``rnd`` on ``engine`` to completion and return its result and metrics.
 
     ``on_step(stats, completed_so_far)`` is called after each engine step (progress bars);
-    ``on_group(group)`` as soon as a group is final (rewards and the stream trainer start on it
-    while the rest of the round runs).
+    ``on_response(completion)`` as soon as a response finishes (not aborted), before its group is
+    final (rewards start on it at once); ``on_group(group)`` as soon as a group is final (the
+    stream trainer starts on it while the rest of the round runs).
     """
     live: dict[str, _Live] = {}
     steps: list[EngineStepStats] = []
@@ -106,7 +108,10 @@ def run_round(
                 del live[u.request_id]
                 completed += 1
                 reason = u.finish_reason or FinishReason.STOP
-                apply(rnd.observe(_completion(st, reason, policy_version, engine.now())))
+                done = _completion(st, reason, policy_version, engine.now())
+                if on_response is not None:
+                    on_response(done)
+                apply(rnd.observe(done))
                 if on_group is not None:
                     for g in rnd.take_completed():
                         on_group(g)
