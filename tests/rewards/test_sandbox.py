@@ -83,10 +83,13 @@ def _tmp_entries() -> dict[str, int]:
 def no_leaks(sandbox: Sandbox) -> Iterator[None]:
     jail_before = _jail_procs()
     tmp_before = _tmp_entries()
-    yield
     me = psutil.Process()
+    # children that were there before the test (multiprocessing's resource tracker, a reward
+    # worker pool of an earlier test) are not the sandbox's
+    kids_before = {p.pid for p in me.children(recursive=True)}
+    yield
     left = _jail_procs() - jail_before
-    kids = me.children(recursive=True)
+    kids = [p for p in me.children(recursive=True) if p.pid not in kids_before]
     assert not left, f"jailed processes left behind: {[_describe(p) for p in left]}"
     assert not kids, f"child processes left behind: {kids}"
     new = {n: uid for n, uid in _tmp_entries().items() if n not in tmp_before}
