@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind, TaskExample
@@ -92,7 +92,25 @@ _MISSING_HINT: dict[RewardKind, str] = {
 }
 
 
-class RewardRouter:
+class ClosesOnExit:
+    """``with obj:`` calls ``obj.close()`` on the way out (reward functions and the router)."""
+
+    def close(self) -> None:  # pragma: no cover - every user defines its own
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class RewardRouter(ClosesOnExit):
     """Dispatches each request to the ``RewardFunction`` of its example's ``reward_kind``."""
 
     def __init__(self, functions: Iterable[RewardFunction]) -> None:
@@ -148,14 +166,3 @@ class RewardRouter:
                 first = first or e
         if first is not None:
             raise first
-
-    def __enter__(self) -> RewardRouter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -27,13 +27,12 @@ import re
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout
-from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardStatus
+from rollpacker.rewards.base import ClosesOnExit, RewardFunction, RewardRequest, RewardResult, RewardStatus
 
 if TYPE_CHECKING:
     from rollpacker.rewards.sandbox import Sandbox, SandboxResult
@@ -50,7 +49,7 @@ def extract_program(example: TaskExample, response: str) -> str:
     return body
 
 
-class CodeReward(RewardFunction):
+class CodeReward(RewardFunction, ClosesOnExit):
     """Sandboxed test execution with adaptive per-case timeouts, ``workers`` runs at a time."""
 
     def __init__(
@@ -134,17 +133,6 @@ class CodeReward(RewardFunction):
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> CodeReward:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _detail(res: SandboxResult, limits: list[float]) -> str:

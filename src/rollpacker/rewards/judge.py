@@ -38,12 +38,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind
-from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardStatus
+from rollpacker.rewards.base import ClosesOnExit, RewardFunction, RewardRequest, RewardResult, RewardStatus
 from rollpacker.rewards.offload import OffloadedCausalLM, OffloadMode, load_resident
 from rollpacker.tasks.judge_task import p_yes, prompt_format, verdict_logits
 
@@ -88,7 +87,7 @@ class _Job:
     future: Future[RewardResult]
 
 
-class JudgeReward(RewardFunction):
+class JudgeReward(RewardFunction, ClosesOnExit):
     """Judge reward: ``P(yes)`` from a (possibly layer-wise offloaded) judge LM, batched in a thread."""
 
     def __init__(self, model_dir: Path | str, config: JudgeConfig | None = None) -> None:
@@ -184,17 +183,6 @@ class JudgeReward(RewardFunction):
         self._thread.join()
         if self.offload is not None:
             self.offload.close()
-
-    def __enter__(self) -> JudgeReward:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- the worker --------------------------------------------------------------------------------
 

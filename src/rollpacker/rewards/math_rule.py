@@ -46,12 +46,12 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind
-from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardStatus
+from rollpacker.rewards.base import ClosesOnExit, RewardFunction, RewardRequest, RewardResult, RewardStatus
 
 ANSWER_MARK = "Answer:"
 RETRY_INTERVAL_S = 0.1  # the soft timer re-fires this often after the first expiry
@@ -242,7 +242,7 @@ class _Job:
     t_launch: float = 0.0
 
 
-class MathReward(RewardFunction):
+class MathReward(RewardFunction, ClosesOnExit):
     """Math-verify reward scored in ``workers`` spawned processes, ``timeout_s`` per sample.
 
     ``timeout_s`` is the wall-time limit of one sample's scoring (status ``TIMEOUT``); ``hard_cpu_s``
@@ -304,17 +304,6 @@ class MathReward(RewardFunction):
             pool.shutdown(wait=True, cancel_futures=True)
         for t in retired:
             t.join()
-
-    def __enter__(self) -> MathReward:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- dispatch --------------------------------------------------------------------------------
 
