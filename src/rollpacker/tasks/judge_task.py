@@ -41,10 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollpacker.tasks import synthetic_math
-from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir
+from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir, publish_dir
 
 if TYPE_CHECKING:
     import torch
@@ -267,18 +264,12 @@ def warm_up_judge(
     if (out / "judge.json").is_file() and not force:
         return out
     base = build_tiny_model(spec.model, cache_dir=cache_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+
+    def build(tmp: Path) -> None:
         info = _train(spec, base, tmp, progress)
         (tmp / "judge.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return publish_dir(out, build)
 
 
 def judge_info(model_dir: Path) -> dict[str, Any]:

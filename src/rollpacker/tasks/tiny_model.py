@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -150,12 +151,22 @@ def build_tiny_model(
     out = root / f"qwen2-tiny-{spec.key()}"
     if out.is_dir() and (out / "config.json").is_file() and not force:
         return out
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=root))
-    try:
+
+    def build(tmp: Path) -> None:
         build_tokenizer(tmp)
         build_model(spec, tmp)
         (tmp / "rollpacker_spec.json").write_text(json.dumps(asdict(spec), indent=2))
+
+    return publish_dir(out, build)
+
+
+def publish_dir(out: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a temporary sibling of ``out``, then rename it to ``out``: a cached
+    directory is complete or absent, whatever dies half-way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        build(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rollpacker.tasks import synthetic_code, synthetic_math
-from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir
+from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir, publish_dir
 
 WARMUP_VERSION = 1
 WARMUP_DATA_SEED_OFFSET = 1_000_003  # warm-up problems never share a seed with an RL dataset
@@ -95,18 +92,12 @@ def warm_up(
     if (out / "warmup.json").is_file() and not force:
         return out
     base = build_tiny_model(spec.model, cache_dir=cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=root))
-    try:
+
+    def build(tmp: Path) -> None:
         info = _train(spec, base, tmp, progress)
         (tmp / "warmup.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return publish_dir(out, build)
 
 
 def _train(
