@@ -10,7 +10,7 @@ WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 BENCH_OUT ?= build/bench-rollout.json
 
-.PHONY: setup test lint typecheck unit slow run-experiment bench clean lock
+.PHONY: setup test lint typecheck unit slow run-experiment train bench clean lock compile
 
 setup: $(STAMP)
 
@@ -42,16 +42,43 @@ test: setup
 	$(MAKE) lint typecheck
 	$(VENV)/bin/pytest -q -m "not gpu"
 
-# Until the KFP pipeline lands, the main job is the local RL training loop on the embedded default:
-# warm-up (cached), N RL steps with tail batching on vLLM, metrics to MLflow (sqlite under build/).
-CONFIG ?= configs/default.yaml
+# The main job: the embedded default experiment (configs/experiment.yaml: tiny model, mixed tasks,
+# sync and tail_batching arms), each RL step a kfp.local pipeline run, the engines in Ray, state in
+# the local S3 server, metrics in the local MLflow server; then the comparison table. The services
+# are started and stopped by the run (unless `make up` already runs them). Re-running continues an
+# experiment from its last committed step; RUN_ARGS=--fresh starts it over, --runner inline debugs.
+EXPERIMENT ?= configs/experiment.yaml
+RUN_ARGS ?=
 run-experiment: setup
+	$(VENV)/bin/rollpacker run --config $(EXPERIMENT) $(RUN_ARGS)
+
+# The single-process training loop (no pipeline, no services): `make train CONFIG=configs/mixed.yaml`.
+CONFIG ?= configs/default.yaml
+train: setup
 	$(VENV)/bin/rollpacker train --config $(CONFIG)
 
 # The benchmarks: rollout replay (sync vs tail batching on vLLM) and learning (3 seeds x 2 policies).
 bench: setup
 	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
 	$(VENV)/bin/rollpacker bench learning --config $(CONFIG) --out build/bench-learning.json
+
+# The KFP pipelines as YAML for the KFP UI/API: build/rl_step.yaml, build/rl_experiment.yaml (the
+# config's `steps` chained). Images: components/images.py, or ROLLPACKER_IMAGE_<NAME>=... make compile.
+compile: setup
+	$(VENV)/bin/rollpacker compile --out build --config $(EXPERIMENT)
+
+# The local services (build/services): SeaweedFS S3 on 127.0.0.1:8333, MLflow on 127.0.0.1:5000, a Ray
+# head on 127.0.0.2:6380. `up` reuses what already runs and prints the `export` lines clients need;
+# `down` stops, by PID, only what `up` started.
+.PHONY: up down mlflow-ui
+up: setup
+	$(VENV)/bin/rollpacker up
+
+down: setup
+	$(VENV)/bin/rollpacker down
+
+mlflow-ui: up
+	@echo "MLflow UI: http://127.0.0.1:5000   (stop the local services with: make down)"
 
 # Regenerate the lock from a fresh resolve (run by a developer, not CI).
 lock:

@@ -8,6 +8,7 @@ rollpacker train --config configs/default.yaml             # N RL steps, metrics
 rollpacker bench learning --config configs/default.yaml    # sync vs tail batching, 3 seeds
 rollpacker bench reward                                    # adaptive vs fixed sandbox timeouts
 rollpacker sandbox run --code a.py --tests t.py --json     # a program and its tests in the jail
+rollpacker up / rollpacker down                            # local S3 store, MLflow server, Ray head
 """
 
 from __future__ import annotations
@@ -408,6 +409,194 @@ def sandbox_run(
             if text:
                 typer.echo(f"--- {name}{' (truncated)' if result.output_truncated else ''}\n{text.rstrip()}")
     raise typer.Exit(code=0 if result.passed else 1)
+
+
+@app.command("run")
+def run_cmd(
+    config: Annotated[Path, typer.Option(help="Experiment YAML (arms, store, services, task, ...).")] = Path(
+        "configs/experiment.yaml"
+    ),
+    runner: Annotated[
+        str,
+        typer.Option(
+            help="`kfp`: each step a kfp.local pipeline run, services in Ray; `inline`: "
+            "the same stages in this process (quick debugging)."
+        ),
+    ] = "kfp",
+    arm: Annotated[
+        list[str] | None, typer.Option(help="Run only this arm (repeatable); default: every arm.")
+    ] = None,
+    retries: Annotated[int, typer.Option(help="Re-runs of an arm after a failed step.")] = 1,
+    fresh: Annotated[bool, typer.Option(help="Delete the arms' committed state and start over.")] = False,
+    no_services: Annotated[
+        bool, typer.Option("--no-services", help="Do not start the local S3 / MLflow / Ray services.")
+    ] = False,
+) -> None:
+    """Run an experiment: every arm's remaining RL steps through the pipeline, then `compare`.
+
+    On an experiment that already has committed steps it continues from the last one. The local
+    services (SeaweedFS S3, MLflow server, Ray head) are started when the config points at
+    127.0.0.1 and none runs, and stopped again at the end.
+    """
+    from rollpacker.loop.experiment import run_experiment
+
+    try:
+        if fresh:
+            from rollpacker.loop.experiment import reset_arms
+
+            reset_arms(config, arm or None, start_services=not no_services)
+        out = run_experiment(
+            config, runner=runner, arms=arm or None, retries=retries, start_services=not no_services
+        )
+    except RollpackerError as e:
+        _fail(e)
+        return
+    typer.echo(out.compare_table)
+    ui = (
+        out.tracking_uri
+        if out.tracking_uri.startswith("http")
+        else f"mlflow ui --backend-store-uri {out.tracking_uri}"
+    )
+    typer.echo(f"\nMLflow: {ui}  (experiment {out.experiment}; `make mlflow-ui` to browse it)")
+
+
+@app.command("compare")
+def compare_cmd(
+    experiment: Annotated[str, typer.Argument(help="MLflow experiment (the config's `experiment`).")],
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(help="MLflow tracking URI [default: $MLFLOW_TRACKING_URI or http://127.0.0.1:5000]."),
+    ] = None,
+    baseline: Annotated[str, typer.Option(help="Arm the speedups are measured against.")] = "sync",
+    out: Annotated[Path | None, typer.Option(help="Also write the comparison as JSON here.")] = None,
+) -> None:
+    """Compare the arms (one MLflow run per rollout policy) of an experiment: mean seconds per
+    stage, speedup over the baseline, bubble ratio, accuracy; logs the table and a chart to the
+    experiment's `compare` run."""
+    import os
+
+    from rollpacker.tracking import compare, log_compare
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "http://127.0.0.1:5000"
+    try:
+        report = compare(uri, experiment, baseline=baseline)
+        run_id = log_compare(report, uri, experiment)
+    except RollpackerError as e:
+        _fail(e)
+        return
+    typer.echo(report.render())
+    typer.echo(f"\nlogged compare.json, compare.md, compare.png to MLflow run {run_id}")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report.to_json())
+        typer.echo(f"wrote {out}")
+
+
+@app.command("compile")
+def compile_cmd(
+    out: Annotated[Path, typer.Option(help="Directory for rl_step.yaml and rl_experiment.yaml.")] = Path(
+        "build"
+    ),
+    steps: Annotated[
+        int | None, typer.Option(help="RL steps chained in rl_experiment [default: the config's `steps`].")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="Experiment YAML whose `steps` is the default.")] = None,
+) -> None:
+    """Compile the KFP pipelines (rl_step: one RL step; rl_experiment: N steps chained) to YAML for
+    the KFP UI or API. Images: components/images.py, overridable by ROLLPACKER_IMAGE_<NAME>."""
+    from rollpacker.core.config import ExperimentConfig
+    from rollpacker.pipeline_compile import compile_pipelines, steps_from_config
+
+    try:
+        if steps is None:
+            steps = steps_from_config(config) if config is not None else ExperimentConfig().steps
+        paths = compile_pipelines(out, steps)
+    except RollpackerError as e:
+        _fail(e)
+        return
+    for p in paths:
+        typer.echo(f"wrote {p}")
+
+
+@app.command("up")
+def services_up(
+    root: Annotated[
+        Path, typer.Option(help="Directory of the services' data, logs, pid files and credentials.")
+    ] = Path("build/services"),
+    bucket: Annotated[str, typer.Option(help="S3 bucket to create (store.bucket).")] = "rollpacker",
+    port_offset: Annotated[
+        int, typer.Option(help="Move every default port by N, e.g. 100 (a second set beside a running one).")
+    ] = 0,
+    s3_port: Annotated[
+        int | None, typer.Option(help="SeaweedFS S3 port (store.endpoint 127.0.0.1:PORT) [8333+offset].")
+    ] = None,
+    mlflow_port: Annotated[int | None, typer.Option(help="MLflow server port [5000+offset].")] = None,
+    ray_port: Annotated[
+        int | None, typer.Option(help="Ray head (GCS) port on 127.0.0.2 [6380+offset].")
+    ] = None,
+    mlflow: Annotated[bool, typer.Option(help="Start the MLflow server.")] = True,
+    ray: Annotated[bool, typer.Option(help="Start the Ray head.")] = True,
+    timeout_s: Annotated[float, typer.Option(help="Longest wait for each service to answer.")] = 90.0,
+) -> None:
+    """Start the local services: SeaweedFS (S3 store), an MLflow server, a Ray head.
+
+    Services already running and healthy are reused. Prints the addresses (to stderr) and the
+    `export` lines a client needs (to stdout), so `eval "$(rollpacker up)"` sets them. The S3 keys
+    are generated on the first run and kept in ROOT/credentials.json (mode 0600), which rollpacker
+    also reads when $ROLLPACKER_S3_ACCESS_KEY / $ROLLPACKER_S3_SECRET_KEY are unset.
+    Stop them with `rollpacker down`.
+    """
+    import dataclasses
+    import shlex
+
+    from rollpacker import devservices
+
+    sw_ports = devservices.SeaweedPorts().shifted(port_offset)
+    ray_ports = devservices.RayPorts().shifted(port_offset)
+    try:
+        svc = devservices.up(
+            root,
+            bucket=bucket,
+            mlflow=mlflow,
+            ray=ray,
+            seaweed_ports=dataclasses.replace(sw_ports, s3=s3_port or sw_ports.s3),
+            mlflow_port=mlflow_port or 5000 + port_offset,
+            ray_ports=dataclasses.replace(ray_ports, gcs=ray_port or ray_ports.gcs),
+            timeout_s=timeout_s,
+            log=lambda s: typer.echo(f"[up] {s}", err=True),
+        )
+    except RollpackerError as e:
+        _fail(e)
+        return
+    lines = [f"S3 store      {svc.s3_endpoint}  bucket {svc.bucket}  (keys in {svc.credentials_file})"]
+    if svc.tracking_uri:
+        lines.append(f"MLflow        {svc.tracking_uri}  (UI in a browser)")
+    if svc.ray_address:
+        lines.append(f"Ray head      {svc.ray_address}")
+    lines.append(f"started: {', '.join(svc.started) or '-'}   reused: {', '.join(svc.reused) or '-'}")
+    default_root = root == Path("build/services")
+    lines.append("stop with: make down" if default_root else f"stop with: rollpacker down --root {root}")
+    typer.echo("\n".join(lines), err=True)
+    for key, value in svc.env().items():
+        typer.echo(f"export {key}={shlex.quote(value)}")
+
+
+@app.command("down")
+def services_down(
+    root: Annotated[Path, typer.Option(help="Directory `rollpacker up` used.")] = Path("build/services"),
+    grace_s: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
+) -> None:
+    """Stop the local services `rollpacker up` started (by PID; nothing else is touched).
+
+    Data (S3 objects, the MLflow database) and credentials stay in ROOT for the next `up`.
+    """
+    from rollpacker import devservices
+
+    counts = devservices.down(root, grace_s=grace_s)
+    if not counts:
+        typer.echo(f"nothing to stop: no services recorded in {root / 'pids'}")
+    for name, n in counts.items():
+        typer.echo(f"{name}: stopped ({n} process{'es' if n != 1 else ''})")
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -144,6 +145,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in tp)
             raise ConfigError(f"{where} = {value!r}: use one of {allowed}") from None
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r}: expected a list")
+        (item,) = {a for a in typing.get_args(tp) if a is not Ellipsis}
+        return tuple(_convert(item, v, f"{where}[{i}]") for i, v in enumerate(value))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):
@@ -307,6 +313,50 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    """The S3 object store the controller keeps state, checkpoints and profiles in (MinIO in a
+    cluster, SeaweedFS locally). Credentials never live in the config: they come from the
+    environment variables named here."""
+
+    endpoint: str = "127.0.0.1:8333"  # host:port, no scheme
+    bucket: str = "rollpacker"
+    secure: bool = False  # https
+    region: str = ""
+    access_key_env: str = "ROLLPACKER_S3_ACCESS_KEY"
+    secret_key_env: str = "ROLLPACKER_S3_SECRET_KEY"
+
+    def __post_init__(self) -> None:
+        if not self.endpoint or "://" in self.endpoint or "/" in self.endpoint:
+            raise ConfigError(
+                f"store.endpoint = {self.endpoint!r}: use host:port without a scheme or path "
+                "(e.g. 127.0.0.1:8333; set store.secure: true for https)"
+            )
+        if not _BUCKET.fullmatch(self.bucket):
+            raise ConfigError(
+                f"store.bucket = {self.bucket!r}: an S3 bucket name is 3-63 lowercase letters, digits, "
+                "dots or hyphens"
+            )
+
+
+@dataclass(frozen=True)
+class ServicesConfig:
+    """Where the long-lived services (Ray actors: engine, rewards, judge, trainer) run."""
+
+    ray_address: str = ""  # "" = $RAY_ADDRESS, else the local head `rollpacker up` started
+    namespace: str = "rollpacker"  # Ray namespace of the named, detached actors
+    call_timeout_s: float = 1800.0  # longest a stage waits for one service call
+
+    def __post_init__(self) -> None:
+        if not self.namespace:
+            raise ConfigError("services.namespace: must be a non-empty Ray namespace")
+        if not self.call_timeout_s > 0:
+            raise ConfigError(f"services.call_timeout_s = {self.call_timeout_s!r}: must be > 0")
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
 
@@ -324,9 +374,21 @@ class ExperimentConfig:
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
+    # the state store and the services.
+    arms: tuple[PolicyName, ...] = (PolicyName.SYNC, PolicyName.TAIL_BATCHING)
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
 
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
+        if not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ConfigError(f"arms = {[a.value for a in self.arms]}: list each policy once, at least one")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.experiment or ""):
+            raise ConfigError(
+                f"experiment = {self.experiment!r}: letters, digits, '.', '_' and '-' only "
+                "(it names the MLflow experiment and the object-store prefix)"
+            )
         _positive_int("checkpoint_every", self.checkpoint_every)
         if not self.experiment:
             raise ConfigError("experiment: must be a non-empty name (the MLflow experiment)")

@@ -29,3 +29,7 @@ class TrainerError(RollpackerError, RuntimeError):
 
 class SandboxError(RollpackerError, RuntimeError):
     """The code sandbox cannot run here (no nsjail, no usable interpreter) or was misused."""
+
+
+class RewardError(RollpackerError, RuntimeError):
+    """A reward could not be computed, or a reward service was driven out of order."""

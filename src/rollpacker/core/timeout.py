@@ -103,6 +103,13 @@ class AdaptiveTimeout:
             if exec_s > self._anchors.get(case, -1.0):
                 self._anchors[case] = float(exec_s)
 
+    def reset(self, anchors: Mapping[str, float]) -> None:
+        """Replace every anchor (a re-run step starts from the committed anchors, not from what
+        the failed attempt observed)."""
+        fresh = AdaptiveTimeout(self.config, anchors)
+        with self._lock:
+            self._anchors = fresh.anchors()
+
     def anchors(self) -> dict[str, float]:
         with self._lock:
             return dict(self._anchors)

@@ -10,33 +10,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
-    out: dict[str, str] = {}
-    data = asdict(obj) if is_dataclass(obj) else obj
-    for k, v in data.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = str(v.value if hasattr(v, "value") else v)
-    return out
-
-
-def artifact_root(tracking_uri: str) -> str | None:
-    """Artifacts beside a SQLite store (``sqlite:///build/mlflow.db`` -> ``build/mlartifacts``)."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri[len("sqlite:///") :])
-        db.parent.mkdir(parents=True, exist_ok=True)
-        return (db.parent.resolve() / "mlartifacts").as_uri()
-    return None
+from rollpacker.tracking import artifact_root
+from rollpacker.tracking import flatten_params as _flatten
 
 
 class Tracker:

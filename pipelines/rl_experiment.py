@@ -1,0 +1,29 @@
+"""N RL steps of one arm chained: ``rl-step`` sub-pipelines, each after the previous one.
+
+N is fixed at compile time (``rollpacker compile --steps N``); the controller keeps the state between
+steps, so each sub-pipeline runs the arm's next step, and steps past ``config.steps`` are skipped
+by the stages.
+"""
+
+from kfp import dsl
+
+from pipelines.rl_step import rl_step
+from rollpacker.core.errors import ConfigError
+
+
+def build_rl_experiment(num_steps: int):  # type: ignore[no-untyped-def]
+    """The ``rl-experiment`` pipeline (parameters ``config``, ``arm``) of ``num_steps`` chained steps."""
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ConfigError(f"num_steps = {num_steps!r}: the experiment needs an integer >= 1 of RL steps")
+
+    @dsl.pipeline(name="rl-experiment", description=f"{num_steps} RL steps of one arm, one after another.")
+    def rl_experiment(config: str, arm: str):
+        previous = None
+        for i in range(num_steps):
+            step = rl_step(config=config, arm=arm).set_caching_options(False)
+            step.set_display_name(f"step-{i + 1}")
+            if previous is not None:
+                step.after(previous)
+            previous = step
+
+    return rl_experiment

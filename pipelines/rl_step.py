@@ -1,0 +1,55 @@
+"""One RL step as a KFP pipeline (DESIGN.md "Stages and services")::
+
+    controller-plan -> [profiling, if plan.need_profile] -> rollout -> sandbox-reward --+-> training
+                                                                  \\-> judge ----------/      |
+                                                                             controller-commit
+
+Every task has caching off (a step reads and writes the arm's state, so two runs of the same
+inputs are different steps) and no retries. A step whose arm already reached ``config.steps`` gets
+``plan.skip``; the stages then do nothing (``rollpacker.stages``), so the DAG needs no gate.
+
+Profiling sits under a ``dsl.If`` inside its own sub-pipeline, ``profile-if-needed``, for two reasons:
+- KFP forbids ``rollout.after(profiling)`` when profiling is inside a ``dsl.If`` and rollout is not
+  (InvalidTopologyException); ``.after()`` on the sub-pipeline task is legal and waits for the
+  profiling task when it runs;
+- ``kfp.local`` (2.17.0) cannot evaluate a condition on a named output of a multi-output task
+  (``plan.outputs['need_profile']`` resolves as ``None`` and the branch is silently skipped); a
+  condition on a sub-pipeline *input* resolves.
+"""
+
+from components.controller.component import controller_commit, controller_plan
+from components.judge.component import judge
+from components.profiling.component import profiling
+from components.rollout.component import rollout
+from components.sandbox_reward.component import sandbox_reward
+from components.training.component import training
+from kfp import dsl
+
+
+@dsl.pipeline(name="profile-if-needed", description="Profile the rollout engine when the plan asks.")
+def profile_if_needed(config: str, plan: str, need_profile: bool):
+    with dsl.If(need_profile == True, name="need-profile"):  # noqa: E712 - a KFP condition, not Python
+        profiling(config=config, plan=plan).set_caching_options(False)
+
+
+@dsl.pipeline(name="rl-step", description="One synchronous on-policy RL step of one arm.")
+def rl_step(config: str, arm: str):
+    plan = controller_plan(config=config, arm=arm).set_caching_options(False)
+    step_plan = plan.outputs["plan"]
+    profile = profile_if_needed(
+        config=config, plan=step_plan, need_profile=plan.outputs["need_profile"]
+    ).set_caching_options(False)
+    roll = rollout(config=config, plan=step_plan).after(profile).set_caching_options(False)
+    reward = sandbox_reward(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
+    judged = judge(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
+    train = training(
+        config=config, plan=step_plan, rollout=roll.output, reward=reward.output, judge=judged.output
+    ).set_caching_options(False)
+    controller_commit(
+        config=config,
+        plan=step_plan,
+        rollout=roll.output,
+        reward=reward.output,
+        judge=judged.output,
+        train=train.output,
+    ).set_caching_options(False)

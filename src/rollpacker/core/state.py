@@ -1,0 +1,135 @@
+"""The controller's state document: everything the next RL step needs, one immutable JSON per step.
+
+``s3://<bucket>/<experiment>/<arm>/state/step-<n>.json`` holds the state after step ``n`` was
+committed; ``step = -1`` is the initial state (nothing trained yet). Nothing the next step needs
+lives only in a process: the services (engine, trainer, rewards) are rebuilt from this document
+when they are missing or out of date.
+
+Invariants (tests/core/test_state.py):
+- ``from_json(to_json(s)) == s`` for every valid state;
+- a document of another schema version, a missing field or a wrong type is refused with a
+  ``StateError`` naming the field (a corrupt state is never half-loaded);
+- ``next_step`` is ``step + 1``: the step a re-run after a crash repeats is the first uncommitted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpacker.core.errors import RollpackerError
+
+SCHEMA_VERSION = 1
+
+
+class StateError(RollpackerError):
+    """A state document is missing, corrupt, or does not follow its predecessor."""
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """The tensor-parallel sizes of short and long rounds and the preemptions they saw (issue 6
+    plans them; until then both stay at the profiled default)."""
+
+    short_tp: int = 1
+    long_tp: int = 1
+    preemption_history: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ControllerState:
+    experiment: str
+    arm: str
+    step: int  # the last committed step; -1 before the first
+    cursor_seed: int
+    cursor_epoch: int
+    cursor_position: int
+    long_queue: tuple[str, ...] = ()  # prompt ids, FIFO
+    partial_cache: tuple[dict[str, Any], ...] = ()  # cached partial responses (partial rollout)
+    tp_plan: TPPlan = field(default_factory=TPPlan)
+    timeout_anchors: str = ""  # AdaptiveTimeout.to_json(), "" = none yet
+    length_history: tuple[tuple[str, int], ...] = ()  # (prompt id, longest response) per trained prompt
+    checkpoint_uri: str = ""  # the policy the next step rolls out with
+    policy_version: int = 0
+    profile_uri: str = ""
+    seed: int = 0
+    trained_samples: int = 0
+    trained_prompts: int = 0
+    mlflow_run_id: str = ""
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def next_step(self) -> int:
+        return self.step + 1
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "state") -> ControllerState:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise StateError(f"{where}: not JSON ({e}); restore the document from the previous step") from e
+        if not isinstance(data, dict):
+            raise StateError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise StateError(
+                f"{where}: schema_version {version!r}, this rollpacker reads {SCHEMA_VERSION}; "
+                "use the rollpacker version that wrote it"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise StateError(f"{where}: unknown field(s) {unknown}; the document is not a rollpacker state")
+        try:
+            tp = data.get("tp_plan", {})
+            kw = dict(data)
+            kw["tp_plan"] = TPPlan(
+                short_tp=_int(tp, "short_tp", where),
+                long_tp=_int(tp, "long_tp", where),
+                preemption_history=tuple(int(x) for x in tp.get("preemption_history", ())),
+            )
+            kw["long_queue"] = tuple(str(x) for x in _list(data, "long_queue", where))
+            kw["partial_cache"] = tuple(dict(x) for x in _list(data, "partial_cache", where))
+            kw["length_history"] = tuple((str(p), int(n)) for p, n in _list(data, "length_history", where))
+        except (TypeError, ValueError) as e:
+            raise StateError(f"{where}: malformed field ({e})") from e
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        for name in required:
+            if name not in kw:
+                raise StateError(f"{where}: missing field {name!r}")
+        for name in ("step", "cursor_seed", "cursor_epoch", "cursor_position", "policy_version", "seed"):
+            if name in kw and (not isinstance(kw[name], int) or isinstance(kw[name], bool)):
+                raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be an integer")
+        if kw.get("step", 0) < -1:
+            raise StateError(f"{where}: step {kw['step']} < -1 (-1 is the initial state)")
+        for name in ("experiment", "arm", "checkpoint_uri", "profile_uri", "timeout_anchors"):
+            if name in kw and not isinstance(kw[name], str):
+                raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be a string")
+        return cls(**kw)
+
+    def successor(self, **changes: Any) -> ControllerState:
+        """The state after the next step: ``step`` advanced by one and ``changes`` applied."""
+        return dataclasses.replace(self, step=self.step + 1, **changes)
+
+
+def _int(d: Any, key: str, where: str) -> int:
+    v = d.get(key, 1) if isinstance(d, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise StateError(f"{where}: tp_plan.{key} = {v!r} must be a positive integer")
+    return v
+
+
+def _list(d: dict[str, Any], key: str, where: str) -> list[Any]:
+    v = d.get(key, [])
+    if not isinstance(v, list):
+        raise StateError(f"{where}: field {key!r} must be a list, got {type(v).__name__}")
+    return v

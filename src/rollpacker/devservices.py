@@ -1,0 +1,777 @@
+"""The embedded local services of one machine: SeaweedFS (S3), an MLflow server, a Ray head.
+
+``rollpacker up`` (``make up``) starts what is not already running and healthy, and ``rollpacker
+down`` stops what ``up`` started, by PID, and nothing else (never ``ray stop``, which kills every Ray
+process on the machine). Everything lives under one directory, ``build/services`` by default::
+
+    credentials.json   the local S3 keys (mode 0600; ObjectStore falls back to them)
+    s3.json            SeaweedFS identities (the same keys, mode 0600)
+    s3/                SeaweedFS data          mlflow.db     MLflow's sqlite backend store
+    logs/<name>.log    each service's output   pids/<name>.json  what was started: session, PIDs, address
+
+Each service is started in a new session (``setsid``); its record holds the session id and the
+session leader's start time. ``ray start`` daemonizes, but the GCS server, raylet, agents and
+every worker it spawns stay in that session, so ``down`` finds them all by session id, including
+workers started after ``up``. A session id is only trusted while its leader is either gone or is
+the very process recorded (same start time), so a recycled PID is never killed.
+
+Invariants (tests/store/test_devservices.py):
+- ``up`` is idempotent: a running, healthy service is reused, not restarted;
+- ``down`` stops exactly the processes of the sessions ``up`` started;
+- a service that does not become healthy in time is stopped again and the error names its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.errors import RollpackerError
+from rollpacker.store.objstore import (
+    CREDENTIALS_FILE,
+    DEFAULT_SERVICES_DIR,
+    SERVICES_DIR_ENV,
+    ObjectStore,
+    StoreError,
+)
+
+DEFAULT_ROOT = DEFAULT_SERVICES_DIR
+SERVICE_NAMES = ("seaweedfs", "mlflow", "ray")
+HOST = "127.0.0.1"
+RAY_HOST = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the machine's external address
+DEFAULT_BUCKET = "rollpacker"
+
+# Popen objects of the services this process started (kept so that they are reaped, not warned about).
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class ServicesError(RollpackerError, RuntimeError):
+    """A local service cannot start (port taken, binary missing, unhealthy) or stop."""
+
+
+@dataclass(frozen=True)
+class SeaweedPorts:
+    """Every port ``weed mini`` listens on (its defaults; the admin server listens even with
+    ``-admin.ui=false``)."""
+
+    s3: int = 8333
+    s3_grpc: int = 18333
+    master: int = 9333
+    master_grpc: int = 19333
+    volume: int = 9340
+    volume_grpc: int = 19340
+    filer: int = 8888
+    filer_grpc: int = 18888
+    admin: int = 23646
+    admin_grpc: int = 33646
+
+    @classmethod
+    def free(cls) -> SeaweedPorts:
+        """Ports free right now (for tests beside a running default instance). Each gRPC port is its
+        HTTP port + 10000, as weed expects: its built-in worker dials the admin server there whatever
+        ``-admin.port.grpc`` says."""
+        s3, master, volume, filer, admin = _free_port_pairs(5, offset=10000)
+        return cls(
+            s3=s3,
+            s3_grpc=s3 + 10000,
+            master=master,
+            master_grpc=master + 10000,
+            volume=volume,
+            volume_grpc=volume + 10000,
+            filer=filer,
+            filer_grpc=filer + 10000,
+            admin=admin,
+            admin_grpc=admin + 10000,
+        )
+
+    def shifted(self, offset: int) -> SeaweedPorts:
+        """Every port moved by ``offset`` (a second instance beside the default one)."""
+        return SeaweedPorts(*(p + offset for p in dataclasses.astuple(self)))
+
+    def args(self) -> list[str]:
+        return [
+            f"-s3.port={self.s3}",
+            f"-s3.port.grpc={self.s3_grpc}",
+            f"-master.port={self.master}",
+            f"-master.port.grpc={self.master_grpc}",
+            f"-volume.port={self.volume}",
+            f"-volume.port.grpc={self.volume_grpc}",
+            f"-filer.port={self.filer}",
+            f"-filer.port.grpc={self.filer_grpc}",
+            f"-admin.port={self.admin}",
+            f"-admin.port.grpc={self.admin_grpc}",
+        ]
+
+
+@dataclass(frozen=True)
+class RayPorts:
+    """The fixed ports of the local Ray head; the rest are picked free by Ray. Workers bind in
+    ``min_worker..max_worker``, kept clear of SeaweedFS's gRPC ports (18333-19340)."""
+
+    gcs: int = 6380
+    client_server: int = 10001
+    dashboard_agent: int = 52365
+    min_worker: int = 20002
+    max_worker: int = 29999
+
+    @classmethod
+    def free(cls) -> RayPorts:
+        gcs, client, agent = free_ports(3)
+        return cls(gcs=gcs, client_server=client, dashboard_agent=agent)
+
+    def shifted(self, offset: int) -> RayPorts:
+        """The fixed ports moved by ``offset`` (the worker range stays)."""
+        return dataclasses.replace(
+            self,
+            gcs=self.gcs + offset,
+            client_server=self.client_server + offset,
+            dashboard_agent=self.dashboard_agent + offset,
+        )
+
+
+@dataclass(frozen=True)
+class Services:
+    """The addresses of the local services, and what ``up`` did."""
+
+    root: Path
+    s3_endpoint: str  # host:port, as store.endpoint takes it
+    bucket: str
+    access_key: str
+    secret_key: str = field(repr=False)
+    tracking_uri: str = ""  # "" when MLflow was not asked for
+    ray_address: str = ""  # "" when Ray was not asked for
+    started: tuple[str, ...] = ()
+    reused: tuple[str, ...] = ()
+    startup_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def credentials_file(self) -> Path:
+        return self.root / CREDENTIALS_FILE
+
+    def env(self) -> dict[str, str]:
+        """The environment a client of these services needs."""
+        out = {"ROLLPACKER_S3_ACCESS_KEY": self.access_key, "ROLLPACKER_S3_SECRET_KEY": self.secret_key}
+        if self.ray_address:
+            out["RAY_ADDRESS"] = self.ray_address
+        if self.tracking_uri:
+            out["MLFLOW_TRACKING_URI"] = self.tracking_uri
+        if self.root.resolve() != DEFAULT_ROOT.resolve():
+            out[SERVICES_DIR_ENV] = str(self.root)
+        return out
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    name: str
+    running: bool  # processes of its recorded session are alive
+    healthy: bool  # and it answers
+    address: str
+    pids: tuple[int, ...]
+    log: str
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+
+def up(
+    root: Path | str = DEFAULT_ROOT,
+    *,
+    bucket: str = DEFAULT_BUCKET,
+    s3: bool = True,
+    mlflow: bool = True,
+    ray: bool = True,
+    seaweed_ports: SeaweedPorts | None = None,
+    mlflow_port: int = 5000,
+    ray_ports: RayPorts | None = None,
+    ray_num_cpus: int = 2,
+    timeout_s: float = 90.0,
+    log: Callable[[str], None] | None = None,
+) -> Services:
+    """Start the local services that are not already running and healthy (concurrently), wait
+    until each answers, and return their addresses. MLflow keeps artifacts in the S3 store, so
+    asking for MLflow starts SeaweedFS too."""
+    root = Path(root)
+    sw_ports = seaweed_ports or SeaweedPorts()
+    r_ports = ray_ports or RayPorts()
+    s3 = s3 or mlflow
+    say = log or (lambda s: None)
+    for sub in ("logs", "pids"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    with _lock(root):
+        creds = _read_credentials(root)
+        wanted = [n for n, on in (("seaweedfs", s3), ("mlflow", mlflow), ("ray", ray)) if on]
+        addresses = {
+            "seaweedfs": f"{HOST}:{sw_ports.s3}",
+            "mlflow": f"http://{HOST}:{mlflow_port}",
+            "ray": f"{RAY_HOST}:{r_ports.gcs}",
+        }
+        ports = {
+            "seaweedfs": [(HOST, p) for p in dataclasses.astuple(sw_ports)],
+            "mlflow": [(HOST, mlflow_port)],
+            "ray": [
+                (RAY_HOST, r_ports.gcs),
+                (RAY_HOST, r_ports.client_server),
+                (RAY_HOST, r_ports.dashboard_agent),
+            ],
+        }
+        reused: list[str] = []
+        for name in wanted:
+            rec = _read_record(root, name)
+            if rec is not None:
+                if _members(rec) and _healthy(name, rec["address"], creds, bucket):
+                    say(f"{name}: running (pid file {_pid_file(root, name)}), reused")
+                    addresses[name] = rec["address"]
+                    reused.append(name)
+                    continue
+                say(f"{name}: recorded but not healthy; stopping its leftovers and starting it again")
+                _stop([rec], grace_s=5.0)
+                _pid_file(root, name).unlink(missing_ok=True)
+            taken = [f"{h}:{p}" for h, p in ports[name] if _port_open(h, p)]
+            if taken:
+                raise ServicesError(
+                    f"{name}: {', '.join(taken)} in use by a process `rollpacker up` did not start "
+                    f"(no live record in {root / 'pids'}); stop that process or pick other ports "
+                    "(`rollpacker up --port-offset N` moves them all)"
+                )
+        endpoint = addresses["seaweedfs"]
+        creds = _ensure_credentials(root, endpoint, bucket)
+        if "seaweedfs" in reused:  # the bucket asked for now may be new
+            _s3_client(endpoint, creds, bucket, root).create_bucket()
+        starters: dict[str, Callable[[], dict[str, Any]]] = {
+            "seaweedfs": lambda: _start_seaweed(root, sw_ports, creds, bucket, timeout_s),
+            "mlflow": lambda: _start_mlflow(root, mlflow_port, endpoint, creds, bucket, timeout_s),
+            "ray": lambda: _start_ray(root, r_ports, ray_num_cpus, timeout_s),
+        }
+        results: dict[str, dict[str, Any]] = {}
+        errors: dict[str, BaseException] = {}
+
+        def run(name: str, start: Callable[[], dict[str, Any]]) -> None:
+            try:
+                results[name] = start()
+            except BaseException as e:
+                errors[name] = e
+
+        threads = [
+            threading.Thread(target=run, args=(n, starters[n]), daemon=True)
+            for n in wanted
+            if n not in reused
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            _stop([r for r in results.values()], grace_s=5.0)
+            for name in results:
+                _pid_file(root, name).unlink(missing_ok=True)
+            first = next(iter(errors.values()))
+            if isinstance(first, RollpackerError) and len(errors) == 1:
+                raise first
+            raise ServicesError("; ".join(f"{n}: {e}" for n, e in errors.items())) from first
+        startup = {}
+        for name, rec in results.items():
+            _write_record(root, name, rec)
+            startup[name] = rec["startup_s"]
+            say(f"{name}: started in {rec['startup_s']:.1f} s at {rec['address']} (log {rec['log']})")
+    order = [n for n in SERVICE_NAMES if n in results]
+    return Services(
+        root=root,
+        s3_endpoint=endpoint if s3 else "",
+        bucket=bucket,
+        access_key=creds["access_key"],
+        secret_key=creds["secret_key"],
+        tracking_uri=addresses["mlflow"] if mlflow else "",
+        ray_address=addresses["ray"] if ray else "",
+        started=tuple(order),
+        reused=tuple(n for n in SERVICE_NAMES if n in reused),
+        startup_s=startup,
+    )
+
+
+def down(
+    root: Path | str = DEFAULT_ROOT, *, grace_s: float = 5.0, names: Iterable[str] | None = None
+) -> dict[str, int]:
+    """Stop what ``up`` started under ``root`` (SIGTERM, then SIGKILL after ``grace_s``), remove
+    the pid files; returns how many processes each service had. Data and credentials stay.
+    ``names`` limits it to some services (e.g. ``Services.started``: only what one ``up`` started)."""
+    root = Path(root)
+    wanted = SERVICE_NAMES if names is None else tuple(names)
+    unknown = sorted(set(wanted) - set(SERVICE_NAMES))
+    if unknown:
+        raise ServicesError(f"down: unknown service(s) {unknown}; the services are {list(SERVICE_NAMES)}")
+    recs = {n: r for n in SERVICE_NAMES if n in wanted and (r := _read_record(root, n)) is not None}
+    with _lock(root) if root.is_dir() else contextlib.nullcontext():
+        counts = {n: len(_members(r)) for n, r in recs.items()}
+        _stop(list(recs.values()), grace_s=grace_s)
+        for n in recs:
+            _pid_file(root, n).unlink(missing_ok=True)
+    return counts
+
+
+def status(root: Path | str = DEFAULT_ROOT) -> list[ServiceStatus]:
+    """What ``up`` recorded under ``root``, and whether it is alive and answering."""
+    root = Path(root)
+    creds = _read_credentials(root)
+    out = []
+    for name in SERVICE_NAMES:
+        rec = _read_record(root, name)
+        if rec is None:
+            out.append(ServiceStatus(name, False, False, "", (), str(root / "logs" / f"{name}.log")))
+            continue
+        members = _members(rec)
+        healthy = bool(members) and _healthy(name, rec["address"], creds, rec.get("bucket", DEFAULT_BUCKET))
+        out.append(
+            ServiceStatus(
+                name, bool(members), healthy, rec["address"], tuple(p.pid for p in members), rec["log"]
+            )
+        )
+    return out
+
+
+def services_dir(env: dict[str, str] | None = None) -> Path:
+    env = dict(os.environ) if env is None else env
+    return Path(env.get(SERVICES_DIR_ENV) or DEFAULT_ROOT)
+
+
+def local_ray_address(root: Path | str | None = None) -> str:
+    """The address of the Ray head `rollpacker up` started, or "" when none is running."""
+    rec = _read_record(Path(root) if root is not None else services_dir(), "ray")
+    return str(rec["address"]) if rec is not None and _members(rec) else ""
+
+
+def local_tracking_uri(root: Path | str | None = None) -> str:
+    """The MLflow server `rollpacker up` started, or "" when none is running."""
+    rec = _read_record(Path(root) if root is not None else services_dir(), "mlflow")
+    return str(rec["address"]) if rec is not None and _members(rec) else ""
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((HOST, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _free_port_pairs(n: int, offset: int) -> list[int]:
+    """``n`` ports ``p`` with both ``p`` and ``p + offset`` free on 127.0.0.1 right now."""
+    held: list[socket.socket] = []
+    out: list[int] = []
+    try:
+        for _ in range(2000):
+            if len(out) == n:
+                return out
+            a = socket.socket()
+            a.bind((HOST, 0))
+            held.append(a)
+            port = a.getsockname()[1]
+            if port + offset > 65535:
+                continue
+            b = socket.socket()
+            try:
+                b.bind((HOST, port + offset))
+            except OSError:
+                b.close()
+                continue
+            held.append(b)
+            out.append(port)
+        raise ServicesError(f"could not find {n} free port pairs (p, p+{offset}) on {HOST}")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+# -- the three services --------------------------------------------------------------------------
+
+
+def _start_seaweed(
+    root: Path, ports: SeaweedPorts, creds: dict[str, str], bucket: str, timeout_s: float
+) -> dict[str, Any]:
+    data = root / "s3"
+    data.mkdir(parents=True, exist_ok=True)
+    config = root / "s3.json"
+    identity = {
+        "name": "rollpacker",
+        "credentials": [{"accessKey": creds["access_key"], "secretKey": creds["secret_key"]}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    _write_private(config, json.dumps({"identities": [identity]}, indent=1))
+    cmd = [
+        _bin("weed"),
+        "mini",
+        f"-dir={data.resolve()}",
+        f"-ip={HOST}",
+        f"-ip.bind={HOST}",
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-admin.ui=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.config={config.resolve()}",
+        *ports.args(),
+    ]
+    address = f"{HOST}:{ports.s3}"
+    store = _s3_client(address, creds, bucket, root)
+
+    def ready() -> bool:
+        try:
+            store.create_bucket()
+        except StoreError:
+            return False
+        return True
+
+    return _launch_and_wait("seaweedfs", root, cmd, {}, address, ready, timeout_s, bucket=bucket)
+
+
+def _start_mlflow(
+    root: Path, port: int, s3_endpoint: str, creds: dict[str, str], bucket: str, timeout_s: float
+) -> dict[str, Any]:
+    db = (root / "mlflow.db").resolve()
+    cmd = [
+        _bin("mlflow"),
+        "server",
+        "-w",
+        "1",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{db}",
+        "--artifacts-destination",
+        f"s3://{bucket}/mlartifacts",
+    ]
+    env = {
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_S3_ENDPOINT_URL": f"http://{s3_endpoint}",
+        "AWS_ACCESS_KEY_ID": creds["access_key"],
+        "AWS_SECRET_ACCESS_KEY": creds["secret_key"],
+    }
+    address = f"http://{HOST}:{port}"
+    return _launch_and_wait(
+        "mlflow", root, cmd, env, address, lambda: _http_ok(address + "/health"), timeout_s, bucket=bucket
+    )
+
+
+def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> dict[str, Any]:
+    # A temp dir of our own (short: Ray's unix sockets live under it) keeps this head's session apart
+    # from any other Ray on the machine.
+    tag = hashlib.sha1(str(root.resolve()).encode()).hexdigest()[:10]
+    temp_dir = Path(tempfile.gettempdir()) / f"rollpacker-ray-{tag}"
+    cmd = [
+        _bin("ray"),
+        "start",
+        "--head",
+        f"--node-ip-address={RAY_HOST}",
+        f"--port={ports.gcs}",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
+        f"--ray-client-server-port={ports.client_server}",
+        f"--dashboard-agent-listen-port={ports.dashboard_agent}",
+        f"--min-worker-port={ports.min_worker}",
+        f"--max-worker-port={ports.max_worker}",
+    ]
+    address = f"{RAY_HOST}:{ports.gcs}"
+    return _launch_and_wait(
+        "ray",
+        root,
+        cmd,
+        {"RAY_AUTH_MODE": "disabled"},
+        address,
+        lambda: _port_open(RAY_HOST, ports.gcs),
+        timeout_s,
+        daemonizes=True,
+        temp_dir=str(temp_dir),
+    )
+
+
+def _healthy(name: str, address: str, creds: dict[str, str] | None, bucket: str) -> bool:
+    if name == "seaweedfs":
+        if creds is None:
+            return False
+        try:
+            ObjectStore(address, bucket, creds["access_key"], creds["secret_key"]).create_bucket()
+        except StoreError:
+            return False
+        return True
+    if name == "mlflow":
+        return _http_ok(address + "/health")
+    host, _, port = address.rpartition(":")
+    return _port_open(host, int(port))
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def _launch_and_wait(
+    name: str,
+    root: Path,
+    cmd: list[str],
+    extra_env: dict[str, str],
+    address: str,
+    ready: Callable[[], bool],
+    timeout_s: float,
+    *,
+    daemonizes: bool = False,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Start ``cmd`` in a new session with its output in ``logs/<name>.log``; wait until ``ready()``.
+    A daemonizing command (``ray start``) must exit 0 first. On failure the session is stopped."""
+    import psutil
+
+    log = root / "logs" / f"{name}.log"
+    with open(log, "ab") as f:
+        f.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        f.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **extra_env},
+            start_new_session=True,
+        )
+    _CHILDREN[proc.pid] = proc
+    try:
+        leader_ctime = psutil.Process(proc.pid).create_time()
+    except psutil.Error:
+        leader_ctime = time.time()
+    rec: dict[str, Any] = {
+        "name": name,
+        "sid": proc.pid,
+        "leader_create_time": leader_ctime,
+        "address": address,
+        "log": str(log),
+        "cmd": cmd,
+        "started_at": time.time(),
+        **extra,
+    }
+    _write_record(root, name, rec)  # at once: an interrupted `up` leaves nothing `down` cannot find
+    deadline = time.monotonic() + timeout_s
+    try:
+        if daemonizes:
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ServicesError(
+                    f"{name}: `{' '.join(cmd[:2])}` did not finish within {timeout_s:.0f} s; see {log}"
+                ) from None
+            _CHILDREN.pop(proc.pid, None)
+            if rc != 0:
+                raise ServicesError(
+                    f"{name}: `{' '.join(cmd[:2])}` failed (exit {rc}); see {log}:\n{_tail(log)}"
+                )
+        while not ready():
+            if not daemonizes and proc.poll() is not None:
+                raise ServicesError(
+                    f"{name} exited with code {proc.returncode} while starting; see {log}:\n{_tail(log)}"
+                )
+            if time.monotonic() > deadline:
+                raise ServicesError(
+                    f"{name} did not answer at {address} within {timeout_s:.0f} s; see {log}:\n{_tail(log)}"
+                )
+            time.sleep(0.1)
+    except BaseException:
+        _stop([rec], grace_s=3.0)
+        _pid_file(root, name).unlink(missing_ok=True)
+        raise
+    rec["startup_s"] = round(time.perf_counter() - t0, 2)
+    rec["pids"] = [[p.pid, p.create_time()] for p in _members(rec)]
+    return rec
+
+
+def _members(rec: dict[str, Any]) -> list[Any]:
+    """The live processes of a record's session (see the module docstring for why this is safe)."""
+    import psutil
+
+    sid = int(rec["sid"])
+    try:
+        leader = psutil.Process(sid)
+        if abs(leader.create_time() - float(rec["leader_create_time"])) > 0.5:
+            return []  # the session id now belongs to another process: none of ours can be left
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.Error:
+        return []
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (OSError, psutil.Error):
+            continue
+    return out
+
+
+def _stop(recs: list[dict[str, Any]], grace_s: float) -> None:
+    """SIGTERM the records' processes, SIGKILL what is left after ``grace_s``. Raylets go first: a
+    raylet takes its workers and agents with it, while a GCS or raylet terminated together hang."""
+    import psutil
+
+    def terminate(procs: list[Any]) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=grace_s)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5.0)
+
+    terminate([p for r in recs for p in _members(r) if _name(p) in _STOP_FIRST])
+    terminate([p for r in recs for p in _members(r)])
+    for r in recs:  # reap what this process started itself
+        proc = _CHILDREN.pop(int(r["sid"]), None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+_STOP_FIRST = frozenset({"raylet"})
+
+
+def _name(p: Any) -> str:
+    try:
+        return str(p.name())
+    except Exception:
+        return ""
+
+
+def _pid_file(root: Path, name: str) -> Path:
+    return root / "pids" / f"{name}.json"
+
+
+def _read_record(root: Path, name: str) -> dict[str, Any] | None:
+    path = _pid_file(root, name)
+    try:
+        rec = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return None  # a torn or foreign file: nothing we can safely act on
+    if not isinstance(rec, dict) or not {"sid", "leader_create_time", "address", "log"} <= set(rec):
+        return None
+    return rec
+
+
+def _write_record(root: Path, name: str, rec: dict[str, Any]) -> None:
+    path = _pid_file(root, name)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    tmp.replace(path)
+
+
+def _read_credentials(root: Path) -> dict[str, str] | None:
+    try:
+        data = json.loads((root / CREDENTIALS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not data.get("access_key") or not data.get("secret_key"):
+        return None
+    return {k: str(v) for k, v in data.items()}
+
+
+def _ensure_credentials(root: Path, endpoint: str, bucket: str) -> dict[str, str]:
+    """The local store's keys: generated on the first ``up``, kept afterwards (the data in ``s3/``
+    belongs to them); the endpoint and bucket are updated to this ``up``'s."""
+    creds = _read_credentials(root) or {
+        "access_key": "RP" + secrets.token_hex(9).upper(),
+        "secret_key": secrets.token_urlsafe(30),
+    }
+    creds = {**creds, "endpoint": endpoint, "bucket": bucket}
+    _write_private(root / CREDENTIALS_FILE, json.dumps(creds, indent=1))
+    return creds
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
+@contextlib.contextmanager
+def _lock(root: Path) -> Iterator[None]:
+    with open(root / ".lock", "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+# -- small helpers -------------------------------------------------------------------------------
+
+
+def _s3_client(address: str, creds: dict[str, str], bucket: str, root: Path) -> ObjectStore:
+    return ObjectStore(
+        address,
+        bucket,
+        creds["access_key"],
+        creds["secret_key"],
+        credentials_source=str(root / CREDENTIALS_FILE),
+    )
+
+
+def _bin(name: str) -> str:
+    """The executable beside this interpreter (the venv's), else on PATH."""
+    here = Path(sys.executable).parent / name
+    if here.exists():
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        raise ServicesError(f"`{name}` not found beside {sys.executable} or on PATH; run `make setup`")
+    return found
+
+
+def _port_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2.0) as r:
+            return bool(r.status == 200)
+    except (OSError, ValueError):
+        return False
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

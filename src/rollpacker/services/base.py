@@ -1,0 +1,124 @@
+"""What every service shares: its config (the arm's policy applied), the task data, the store.
+
+A service is built from the experiment's config text and its arm; everything else it needs per
+step (weights, cursor, queue, timeout anchors) comes from the committed state a stage passes in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollpacker.core.config import ExperimentConfig, PolicyName
+from rollpacker.core.errors import ConfigError
+from rollpacker.core.tasks import TaskExample, split
+from rollpacker.core.types import Prompt
+from rollpacker.services.registry import ServiceRegistry, config_digest
+
+
+def arm_config(config_text: str, arm: str) -> ExperimentConfig:
+    """The experiment config from YAML text, with ``rollout.policy`` set to the arm's policy."""
+    import yaml
+
+    from rollpacker.core.config import from_mapping
+
+    try:
+        data = yaml.safe_load(config_text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the config is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError("the config's top level must be a mapping of sections")
+    cfg = from_mapping(ExperimentConfig, data)
+    try:
+        policy = PolicyName(arm)
+    except ValueError:
+        raise ConfigError(
+            f"arm {arm!r}: not a policy; use one of {', '.join(p.value for p in PolicyName)}"
+        ) from None
+    if policy not in cfg.arms:
+        raise ConfigError(f"arm {arm!r} is not in this config's arms {[a.value for a in cfg.arms]}")
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, policy=policy))
+
+
+@dataclass(frozen=True)
+class TaskData:
+    examples: dict[str, TaskExample]
+    train_prompts: tuple[Prompt, ...]
+    val_prompts: tuple[Prompt, ...]
+
+    @property
+    def by_id(self) -> dict[str, Prompt]:
+        return {p.prompt_id: p for p in self.train_prompts}
+
+
+@functools.lru_cache(maxsize=4)
+def task_data(task_name: str, seed: int, num_examples: int, val_size: int, tokenizer_dir: str) -> TaskData:
+    """The task's examples split into train / validation prompts, tokenized (cached per process)."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.tasks.registry import load_task
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    examples = load_task(task_name, seed=seed, num_examples=num_examples)
+    if val_size >= len(examples):
+        raise ConfigError(f"task.val_size = {val_size} leaves no training examples out of {len(examples)}")
+    train, val = split(examples, val_size / len(examples), seed=seed)
+
+    def prompts(xs: Sequence[TaskExample]) -> tuple[Prompt, ...]:
+        return tuple(
+            Prompt(
+                prompt_id=ex.example_id,
+                token_ids=tuple(tok.encode(ex.prompt, add_special_tokens=False)),
+                dataset_index=i,
+            )
+            for i, ex in enumerate(xs)
+        )
+
+    return TaskData({ex.example_id: ex for ex in examples}, prompts(train), prompts(val))
+
+
+class Service:
+    """The base of the Ray actors (and their inline twins)."""
+
+    def __init__(self, config_text: str, arm: str, role: str) -> None:
+        self.config_text = config_text
+        self.arm = arm
+        self.role = role
+        self.cfg = arm_config(config_text, arm)
+        self.registry: ServiceRegistry | None = None
+
+    def config_digest(self) -> str:
+        return config_digest(self.config_text)
+
+    def bind(self, registry: ServiceRegistry) -> None:
+        """Inline: peers are reached through the caller's registry."""
+        self.registry = registry
+
+    def bind_ray(self, config_text: str, experiment: str, address: str, namespace: str) -> None:
+        """Ray: peers are reached as named actors of the same namespace."""
+        if self.registry is None:
+            self.registry = ServiceRegistry(
+                config_text, experiment, self.arm, mode="ray", ray_address=address, namespace=namespace
+            )
+
+    def peer(self, role: str) -> Any:
+        if self.registry is None:
+            raise RuntimeError(f"{self.role} service used before bind")
+        return self.registry.get(role)
+
+    def store(self) -> Any:
+
+        return _store(self.cfg.store)
+
+    def close(self) -> None:
+        pass
+
+
+@functools.lru_cache(maxsize=4)
+def _store(store_cfg: Any) -> Any:
+    from rollpacker.store.objstore import ObjectStore
+
+    return ObjectStore.from_config(store_cfg)

@@ -1,0 +1,212 @@
+"""The reward services: rule and sandbox rewards (role ``reward``) and the LLM judge (``judge``).
+
+Each scores a response the moment the rollout service reports it (``score``), while rollout goes
+on; when a group is final and all its rewards are in, it computes the group's advantages and hands
+the samples to the trainer service, which accumulates their gradient during rollout. The reward
+and judge stages only ``drain`` what is left after rollout and report the step's reward metrics.
+
+Invariants:
+- only the current attempt's responses are scored into a step; a late call of an older attempt
+  is dropped (a re-run after a crash never mixes two attempts);
+- a response is scored once: ``group`` reuses the score ``score`` started, and a late ``score``
+  of a response that a group already took is ignored;
+- every group handed to the trainer carries all its rewards;
+- the sandbox's timeout anchors restart from the committed state at every attempt (``begin``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpacker.core.advantages import train_samples
+from rollpacker.core.errors import RewardError, TrainerError
+from rollpacker.core.tasks import RewardKind
+from rollpacker.core.timeout import AdaptiveTimeout
+from rollpacker.core.types import Group
+from rollpacker.rewards.base import RewardRequest, RewardResult
+from rollpacker.services.base import Service
+
+ROLE_KINDS = {"reward": (RewardKind.MATH, RewardKind.CODE), "judge": (RewardKind.JUDGE,)}
+
+
+@dataclass
+class _Attempt:
+    attempt: str
+    early: dict[str, Future[RewardResult]] = field(default_factory=dict)  # scored, not yet grouped
+    grouped: set[str] = field(default_factory=set)  # request ids a group took
+    pending: int = 0  # groups waiting for rewards
+    groups_done: list[str] = field(default_factory=list)  # prompt ids handed to the trainer
+    results: list[RewardResult] = field(default_factory=list)
+    kinds: list[RewardKind] = field(default_factory=list)
+    last_done_wall: float = 0.0
+    error: BaseException | None = None
+
+
+class RewardService(Service):
+    def __init__(self, config_text: str, arm: str, role: str = "reward") -> None:
+        super().__init__(config_text, arm, role)
+        if role not in ROLE_KINDS:
+            raise RewardError(f"reward service role {role!r}: use 'reward' or 'judge'")
+        self.kinds = ROLE_KINDS[role]
+        self.timeouts = AdaptiveTimeout(self.cfg.reward.sandbox.timeouts())
+        self._router: Any = None
+        self._examples: dict[str, Any] | None = None
+        self._lock = threading.Condition()
+        self._cur = _Attempt("")
+
+    def _ready(self) -> None:
+        """Build the reward functions of this role's kinds the task uses (once per process)."""
+        if self._router is not None:
+            return
+        from rollpacker.loop.runner import build_rewards
+        from rollpacker.tasks.registry import load_task
+
+        t = self.cfg.task
+        examples = load_task(t.name, seed=t.seed, num_examples=t.num_examples)
+        mine = [ex for ex in examples if ex.reward_kind in self.kinds]
+        self._examples = {ex.example_id: ex for ex in mine}
+        self._router = build_rewards(self.cfg, mine, self.timeouts, quiet=True) if mine else None
+
+    def begin(self, attempt: str, anchors_json: str = "") -> dict[str, Any]:
+        """Start an attempt: forget the previous one, restore the committed timeout anchors."""
+        t0 = time.perf_counter()
+        self._ready()
+        if anchors_json:
+            self.timeouts.reset(AdaptiveTimeout.from_json(anchors_json).anchors())
+        else:
+            self.timeouts.reset({})
+        with self._lock:
+            self._cur = _Attempt(attempt)
+        return {"seconds": time.perf_counter() - t0, "kinds": [k.value for k in self.kinds]}
+
+    def _submit(self, sample_id: str, prompt_id: str, text: str) -> Future[RewardResult]:
+        assert self._examples is not None and self._router is not None
+        ex = self._examples.get(prompt_id)
+        if ex is None:
+            raise RewardError(f"{self.role} service: prompt {prompt_id!r} is not of kinds {self.kinds}")
+        return self._router.submit(RewardRequest(sample_id=sample_id, example=ex, response=text))
+
+    def score(self, attempt: str, request_id: str, prompt_id: str, text: str) -> None:
+        with self._lock:
+            cur = self._cur
+            if cur.attempt != attempt or request_id in cur.grouped or request_id in cur.early:
+                return
+        fut = self._submit(request_id, prompt_id, text)
+        with self._lock:
+            if self._cur is cur:
+                cur.early[request_id] = fut
+
+    def group(self, attempt: str, group: Group, texts: list[str]) -> None:
+        """A final group (``texts``: its responses decoded); rewarded groups go to the trainer."""
+        with self._lock:
+            cur = self._cur
+            if cur.attempt != attempt:
+                return
+            cur.pending += 1
+            early = []
+            for c in group.responses:
+                cur.grouped.add(c.request_id)
+                early.append(cur.early.pop(c.request_id, None))
+        futs = [
+            f if f is not None else self._submit(c.request_id, c.prompt_id, t)
+            for f, c, t in zip(early, group.responses, texts, strict=True)
+        ]
+        ex_kind = self._examples[group.prompt.prompt_id].reward_kind  # type: ignore[index]
+        box: list[RewardResult | None] = [None] * len(futs)
+        left = [len(futs)]
+
+        def done(i: int, f: Future[RewardResult]) -> None:
+            try:
+                res = f.result()
+            except BaseException as e:
+                with self._lock:
+                    cur.error = e
+                    cur.pending -= 1
+                    self._lock.notify_all()
+                return
+            with self._lock:
+                box[i] = res
+                left[0] -= 1
+                if left[0]:
+                    return
+            got = [r for r in box if r is not None]
+            samples = train_samples(group, [r.reward for r in got], scale=self.cfg.train.scale_advantages)
+            with self._lock:
+                if self._cur is not cur:
+                    return
+                self.peer("trainer").cast("submit", attempt, group.prompt.prompt_id, samples)
+                cur.results.extend(got)
+                cur.kinds.extend([ex_kind] * len(got))
+                cur.groups_done.append(group.prompt.prompt_id)
+                cur.pending -= 1
+                cur.last_done_wall = time.time()
+                self._lock.notify_all()
+
+        for i, f in enumerate(futs):
+            f.add_done_callback(lambda f, i=i: done(i, f))
+
+    def drain(self, attempt: str, expected: list[str], rollout_end_wall: float) -> dict[str, Any]:
+        """Wait for every expected group's rewards; the step's reward metrics and timeout anchors."""
+        t0 = time.perf_counter()
+        timeout_s = self.cfg.services.call_timeout_s
+        want = set(expected)
+        with self._lock:
+            cur = self._cur
+            if cur.attempt != attempt:
+                raise RewardError(
+                    f"{self.role} service: drain of attempt {attempt}, but the service is on attempt "
+                    f"{cur.attempt or '(none)'}; re-run the step from its plan"
+                )
+            ok = self._lock.wait_for(
+                lambda: cur.error is not None or want <= set(cur.groups_done), timeout=timeout_s
+            )
+            if cur.error is not None:
+                raise RewardError(f"{self.role} service: scoring failed: {cur.error}") from cur.error
+            if not ok:
+                missing = sorted(want - set(cur.groups_done))
+                raise TrainerError(
+                    f"{self.role} service: {len(missing)} groups unrewarded after {timeout_s} s"
+                )
+            results, kinds = list(cur.results), list(cur.kinds)
+            wasted = len(cur.early)
+            last = cur.last_done_wall
+        out: dict[str, Any] = {"drain_s": time.perf_counter() - t0, "groups": len(want)}
+        m: dict[str, float] = {}
+        if results:
+            pre = "judge" if self.role == "judge" else "reward"
+            rewards = [r.reward for r in results]
+            lat = [r.elapsed_s for r in results]
+            m = {
+                f"{pre}/mean": sum(rewards) / len(rewards),
+                f"{pre}/tail_s": max(0.0, last - rollout_end_wall),
+                f"{pre}/latency_s_mean": sum(lat) / len(lat),
+                f"{pre}/latency_s_max": max(lat),
+                f"{pre}/timeouts": float(sum(r.status.value == "timeout" for r in results)),
+                f"{pre}/wasted": float(wasted),
+                f"{pre}/samples": float(len(results)),
+            }
+            by: dict[str, list[float]] = {}
+            for r, k in zip(results, kinds, strict=True):
+                by.setdefault(k.value, []).append(r.reward)
+            for k, v in sorted(by.items()):
+                m[f"reward/{k}_mean"] = sum(v) / len(v)
+            out["reward_sum"] = sum(rewards)
+            out["samples"] = len(rewards)
+        out["metrics"] = m
+        out["timeout_anchors"] = self.timeouts.to_json() if self.role == "reward" else ""
+        return out
+
+    def score_now(self, items: list[tuple[str, str, str]]) -> list[bool]:
+        """Score (sample id, prompt id, text) items at once and wait (validation)."""
+        self._ready()
+        futs = [self._submit(f"{sid}#val", pid, text) for sid, pid, text in items]
+        return [f.result().correct for f in futs]
+
+    def close(self) -> None:
+        if self._router is not None:
+            self._router.close()
+            self._router = None

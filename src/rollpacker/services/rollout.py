@@ -1,0 +1,348 @@
+"""The rollout service: the vLLM engine (warm across steps), the policy's round, validation.
+
+Per step it rebuilds the policy from the committed state it is given (cursor, long-prompt queue),
+so a re-run after a crash plans exactly the same step; it never keeps cross-step policy state.
+While a round runs, each finished response goes to its reward service (``score``) and each final
+group to the same service (``group``), which hands the rewarded group to the trainer: the reward
+scheduler and the stream trainer overlap with rollout although the KFP stages run one by one.
+
+Invariants:
+- the engine serves the weights of the state's checkpoint before a round starts (``sync``);
+- one round at a time; a round of a newer attempt supersedes an older one (its requests are
+  aborted, nothing of it reaches the rewards or the trainer, which only take the current attempt);
+- request ids carry the attempt, so a re-run never reuses an id the engine has seen.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.config import PolicyName
+from rollpacker.core.errors import RollpackerError
+from rollpacker.core.policies.base import RolloutPolicy
+from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
+from rollpacker.core.state import ControllerState
+from rollpacker.core.tasks import RewardKind
+from rollpacker.core.types import Completion, GenerationRequest, Group, RoundKind, SamplingSpec
+from rollpacker.services.base import Service, TaskData, task_data
+
+ROUND_CODE = {RoundKind.STANDARD: 0, RoundKind.SHORT: 1, RoundKind.LONG: 2}
+
+
+class Superseded(RollpackerError):
+    """A newer attempt of the step took the engine over."""
+
+
+def reward_role(kind: RewardKind) -> str:
+    """The service that scores a reward kind: the judge LLM, or the rule/sandbox workers."""
+    return "judge" if kind is RewardKind.JUDGE else "reward"
+
+
+class RolloutService(Service):
+    def __init__(self, config_text: str, arm: str, role: str = "rollout") -> None:
+        super().__init__(config_text, arm, role)
+        self.engine: Any = None
+        self.checkpoint_uri = ""
+        self.policy_version = -1
+        self.model_dir: Path | None = None
+        self._round_lock = threading.Lock()
+        self._attempt = ""
+
+    # -- weights --------------------------------------------------------------------------------
+    def sync(self, state_json: str) -> dict[str, Any]:
+        """Serve the state's checkpoint: start the engine on it, or load its weights in place."""
+        state = ControllerState.from_json(state_json)
+        t0 = time.perf_counter()
+        self._attempt = f"sync@{time.time_ns()}"  # a new step supersedes any round still running
+        with self._round_lock:
+            return self._sync_locked(state, t0)
+
+    def _sync_locked(self, state: ControllerState, t0: float) -> dict[str, Any]:
+        from rollpacker.engines.vllm_engine import VLLMEngine
+        from rollpacker.store.objstore import cached_download
+
+        started = reloaded = False
+        if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
+            return {
+                "started": False,
+                "reloaded": False,
+                "seconds": 0.0,
+                "policy_version": self.policy_version,
+            }
+        local = cached_download(self.store(), state.checkpoint_uri, _cache_root())
+        model_dir = local / "model" if (local / "model").is_dir() else local
+        if self.engine is None:
+            cfg = self.cfg
+            import dataclasses
+
+            self.engine = VLLMEngine(
+                dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
+            )
+            started = True
+        else:
+            self.engine.load_weights(_read_safetensors(model_dir))
+            reloaded = True
+        self.model_dir = model_dir
+        self.checkpoint_uri = state.checkpoint_uri
+        self.policy_version = state.policy_version
+        return {
+            "started": started,
+            "reloaded": reloaded,
+            "seconds": time.perf_counter() - t0,
+            "policy_version": self.policy_version,
+        }
+
+    def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
+        """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
+        t0 = time.perf_counter()
+        with self._round_lock:
+            self.engine.load_weights(weights.items())
+            self.policy_version = policy_version
+            self.checkpoint_uri = checkpoint_uri
+        return time.perf_counter() - t0
+
+    def tokenizer_dir(self) -> str:
+        return str(self.model_dir)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def data(self) -> TaskData:
+        if self.model_dir is None:
+            raise RollpackerError("rollout service: sync(state) first (no model loaded)")
+        t = self.cfg.task
+        return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir))
+
+    def _policy(self, state: ControllerState, attempt: str) -> RolloutPolicy:
+        from rollpacker.core.policies.sync import SyncPolicy
+        from rollpacker.core.policies.tail_batching import TailBatchingPolicy
+
+        data = self.data()
+        r = self.cfg.rollout
+        cursor = PromptCursor(
+            data.train_prompts,
+            seed=state.cursor_seed,
+            state=CursorState(state.cursor_seed, state.cursor_epoch, state.cursor_position),
+            window=r.launched_prompts,
+        )
+        spec = SamplingSpec(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p)
+        ns = f"{self.arm}/{attempt}"
+        if r.policy is PolicyName.SYNC:
+            return SyncPolicy(r, cursor, lambda _p, _j: spec, namespace=ns)
+        by_id = data.by_id
+        queue = LongPromptQueue(by_id[i] for i in state.long_queue)
+        return TailBatchingPolicy(r, cursor, lambda _p, _j: spec, queue=queue, namespace=ns)
+
+    def plan(self, state_json: str, step: int) -> dict[str, Any]:
+        state = ControllerState.from_json(state_json)
+        plan = self._policy(state, "plan").plan_step(step)
+        return {
+            "round_kind": plan.round_kind.value,
+            "prompts": [p.prompt_id for p in plan.prompts],
+            "from_queue": list(plan.from_queue),
+            "target_prompts": plan.target_prompts,
+            "roles": sorted({reward_role(ex.reward_kind) for ex in self.data().examples.values()}),
+        }
+
+    # -- the round --------------------------------------------------------------------------------
+    def run_round(self, state_json: str, step: int, attempt: str) -> dict[str, Any]:
+        """Roll out step ``step`` of ``attempt``; returns the round summary (JSON-able)."""
+        from rollpacker.rollout.driver import run_round
+
+        self._attempt = attempt  # an older round still running sees this and stops
+        with self._round_lock:
+            if self._attempt != attempt:
+                raise Superseded(f"step {step}: attempt {attempt} was superseded before it started")
+            state = ControllerState.from_json(state_json)
+            policy = self._policy(state, attempt)
+            plan = policy.plan_step(step)
+            data = self.data()
+            tok = _tokenizer(str(self.model_dir))
+            kinds = {p.prompt_id: data.examples[p.prompt_id].reward_kind for p in plan.prompts}
+
+            def on_response(c: Completion) -> None:
+                text = tok.decode(list(c.token_ids), skip_special_tokens=True)
+                self.peer(reward_role(kinds[c.prompt_id])).cast(
+                    "score", attempt, c.request_id, c.prompt_id, text
+                )
+
+            def on_group(g: Group) -> None:
+                texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses]
+                self.peer(reward_role(kinds[g.prompt.prompt_id])).cast("group", attempt, g, texts)
+
+            def on_step(*_: Any) -> None:
+                if self._attempt != attempt:
+                    raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
+
+            try:
+                run = run_round(
+                    self.engine,
+                    policy.open_round(plan),
+                    policy_version=self.policy_version,
+                    on_group=on_group,
+                    on_response=on_response if self.cfg.reward.per_response else None,
+                    on_step=on_step,
+                )
+            except Superseded:
+                self._drain_engine()
+                raise
+            result = run.result
+            policy.commit(result)  # this attempt's policy object only: the next state's cursor/queue
+            m = run.metrics
+            queue = getattr(policy, "queue", None)
+            cur = policy.cursor.state  # type: ignore[attr-defined]
+            lengths = [c.num_tokens for g in result.groups for c in g.responses]
+            return {
+                "step": step,
+                "attempt": attempt,
+                "round_kind": plan.round_kind.value,
+                "trained": [g.prompt.prompt_id for g in result.groups],
+                "deferred": [p.prompt_id for p in result.deferred],
+                "from_queue": list(plan.from_queue),
+                "groups_by_role": _count_roles(result.groups, kinds),
+                "lengths": lengths,
+                "longest": {
+                    g.prompt.prompt_id: max(c.num_tokens for c in g.responses) for g in result.groups
+                },
+                "next_cursor": asdict(cur),
+                "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
+                "metrics": {
+                    "rollout/time_s": m.time_s,
+                    "rollout/bubble_ratio": m.bubble_ratio,
+                    "rollout/max_response_len": float(m.response_len_max),
+                    "rollout/mean_response_len": m.response_len_mean,
+                    "rollout/tokens_generated": float(m.tokens_generated),
+                    "rollout/tokens_wasted": float(m.tokens_wasted),
+                    "rollout/aborted": float(m.aborted_requests),
+                    "rollout/preemptions": float(m.preemptions),
+                    "rollout/round_kind": float(ROUND_CODE[plan.round_kind]),
+                    "rollout/long_queue_size": float(len(queue) if queue is not None else 0),
+                },
+            }
+
+    def _drain_engine(self) -> None:
+        live = sorted(getattr(self.engine, "_live", ()))
+        if live:
+            self.engine.abort(live)
+        for _ in range(10_000):
+            if not self.engine.has_unfinished():
+                break
+            self.engine.step()
+
+    # -- validation and profiling -----------------------------------------------------------------
+    def validate(self, step: int, attempt: str, samples: int = 1) -> dict[str, float]:
+        """Accuracy on the held-out split under the served weights, scored by the reward services."""
+        from rollpacker.rollout.driver import generate
+
+        with self._round_lock:
+            data = self.data()
+            v = self.cfg.validation
+            sp = SamplingSpec(max_tokens=v.max_tokens, temperature=v.temperature)
+            reqs = [
+                GenerationRequest(
+                    request_id=f"val/{self.arm}/{attempt}/s{step}/{p.prompt_id}/k{j}",
+                    prompt=p,
+                    sample_index=j,
+                    sampling=sp,
+                )
+                for p in data.val_prompts
+                for j in range(samples)
+            ]
+            t0 = time.perf_counter()
+            comps = generate(self.engine, reqs)
+        tok = _tokenizer(str(self.model_dir))
+        by_role: dict[str, list[tuple[str, str, str]]] = {}
+        for c in comps:
+            role = reward_role(data.examples[c.prompt_id].reward_kind)
+            by_role.setdefault(role, []).append(
+                (c.request_id, c.prompt_id, tok.decode(list(c.token_ids), skip_special_tokens=True))
+            )
+        correct: list[bool] = []
+        for role, items in sorted(by_role.items()):
+            correct.extend(self.peer(role).call("score_now", items))
+        return {
+            "val/accuracy": sum(correct) / len(correct),
+            "val/mean_response_len": sum(c.num_tokens for c in comps) / len(comps),
+            "val/time_s": time.perf_counter() - t0,
+        }
+
+    def profile(self, batch_sizes: Sequence[int] = (1, 8, 32), decode_tokens: int = 32) -> dict[str, Any]:
+        """Per-step decode latency of the served engine at a few batch sizes (the planner's input;
+        issue 6 widens this to a TP x batch x context grid)."""
+        with self._round_lock:
+            data = self.data()
+            prompt = data.train_prompts[0]
+            rows = []
+            for b in batch_sizes:
+                sp = SamplingSpec(max_tokens=decode_tokens, temperature=1.0, ignore_eos=True)
+                reqs = [
+                    GenerationRequest(
+                        request_id=f"profile/{self.arm}/{time.time_ns()}/b{b}/{j}",
+                        prompt=prompt,
+                        sample_index=j,
+                        sampling=sp,
+                    )
+                    for j in range(b)
+                ]
+                for r in reqs:
+                    self.engine.add_request(r)
+                durations = []
+                while self.engine.has_unfinished():
+                    _, st = self.engine.step()
+                    durations.append(st.duration_s)
+                steady = sorted(durations[2:]) or sorted(durations)
+                rows.append(
+                    {
+                        "tp": self.engine.tp_size,
+                        "batch": b,
+                        "context_tokens": len(prompt.token_ids) + decode_tokens // 2,
+                        "decode_step_s": steady[len(steady) // 2],
+                        "prefill_s": durations[0] if durations else 0.0,
+                    }
+                )
+        return {"rows": rows, "max_num_seqs": self.cfg.engine.max_num_seqs}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {"reward": [], "judge": []}
+    for g in groups:
+        out[reward_role(kinds[g.prompt.prompt_id])].append(g.prompt.prompt_id)
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _read_safetensors(model_dir: Path) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    out: list[tuple[str, Any]] = []
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.extend(load_file(str(f)).items())
+    if not out:
+        raise RollpackerError(f"{model_dir}: no *.safetensors weights in the checkpoint")
+    if not any(n == "lm_head.weight" for n, _ in out):
+        # tied embeddings: vLLM on CPU keeps a separate packed lm_head (see TorchTrainer.weights)
+        emb = dict(out).get("model.embed_tokens.weight")
+        if emb is not None:
+            out.append(("lm_head.weight", emb))
+    return out
+
+
+def _cache_root() -> Path:
+    import os
+
+    return Path(os.environ.get("ROLLPACKER_CACHE", Path.home() / ".cache" / "rollpacker")) / "checkpoints"

@@ -1,0 +1,145 @@
+"""The trainer service: the torch policy, its optimizer, and the stream trainer.
+
+Rewarded groups arrive during rollout (``submit``, from the reward services) and their gradients
+accumulate at once; the training stage calls ``finish``, which waits for every group the round
+produced, takes the one deferred optimizer step, writes the checkpoint to the object store under
+an attempt-unique prefix, and pushes the new weights into the rollout engine in place.
+
+Invariants:
+- ``begin`` puts the trainer exactly at the committed state's checkpoint (weights, optimizer, RNG,
+  policy version) and drops every gradient of an earlier attempt; a trainer that ran ahead of the
+  committed state (the training stage died after its update) is rolled back;
+- ``finish`` trains on exactly the round's groups: a missing or unexpected group is an error;
+- a checkpoint URI is never rewritten: a re-run step writes under its own attempt prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.advantages import TrainSample
+from rollpacker.core.errors import TrainerError
+from rollpacker.core.state import ControllerState
+from rollpacker.services.base import Service
+
+
+class TrainerService(Service):
+    def __init__(self, config_text: str, arm: str, role: str = "trainer") -> None:
+        super().__init__(config_text, arm, role)
+        self.trainer: Any = None
+        self.stream: Any = None
+        self.checkpoint_uri = ""
+        self._attempt = ""
+        self._got: set[str] = set()
+        self._samples = 0
+        self._cond = threading.Condition()
+
+    def begin(self, attempt: str, state_json: str, base_uri: str) -> dict[str, Any]:
+        from rollpacker.services.rollout import _cache_root
+        from rollpacker.store.objstore import cached_download
+        from rollpacker.trainers.stream import StreamTrainer
+        from rollpacker.trainers.torch_trainer import TorchTrainer
+
+        t0 = time.perf_counter()
+        state = ControllerState.from_json(state_json)
+        with self._cond:
+            self._attempt = attempt
+            self._got = set()
+            self._samples = 0
+        if self.stream is not None:
+            self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
+            self.stream = None
+        restored = False
+        if self.trainer is None or self.checkpoint_uri != state.checkpoint_uri:
+            ck = cached_download(self.store(), state.checkpoint_uri, _cache_root())
+            base = cached_download(self.store(), base_uri, _cache_root())
+            model_dir = ck / "model" if (ck / "model").is_dir() else ck
+            cfg = self.cfg
+            self.trainer = TorchTrainer(
+                model_dir,
+                dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
+                temperature=cfg.rollout.temperature,
+                ref_model_dir=base / "model" if (base / "model").is_dir() else base,
+            )
+            if (ck / "trainer.json").is_file():
+                self.trainer.load_checkpoint(ck)
+            self.checkpoint_uri = state.checkpoint_uri
+            restored = True
+        if self.trainer.policy_version != state.policy_version:
+            raise TrainerError(
+                f"checkpoint {state.checkpoint_uri} holds policy version {self.trainer.policy_version}, "
+                f"the state says {state.policy_version}: the state document and its checkpoint disagree"
+            )
+        self.trainer._reset_accum()
+        self.stream = StreamTrainer(self.trainer, stream=self.cfg.train.stream)
+        return {"seconds": time.perf_counter() - t0, "restored": restored}
+
+    def submit(self, attempt: str, prompt_id: str, samples: list[TrainSample]) -> None:
+        with self._cond:
+            if attempt != self._attempt:
+                return  # a late group of an older attempt
+            if prompt_id in self._got:
+                raise TrainerError(f"group {prompt_id!r} submitted twice in attempt {attempt}")
+            self._got.add(prompt_id)
+            self._samples += len(samples)
+            self.stream.submit(samples)
+            self._cond.notify_all()
+
+    def finish(self, attempt: str, step: int, expected: list[str], checkpoint_key: str) -> dict[str, Any]:
+        """The step's one optimizer update on exactly ``expected`` groups; checkpoint; weight push."""
+        t0 = time.perf_counter()
+        want = set(expected)
+        timeout_s = self.cfg.services.call_timeout_s
+        with self._cond:
+            if attempt != self._attempt:
+                raise TrainerError(f"finish of attempt {attempt}, but the trainer is on {self._attempt}")
+            if not self._cond.wait_for(lambda: want <= self._got, timeout=timeout_s):
+                raise TrainerError(
+                    f"{len(want - self._got)} groups never reached the trainer in {timeout_s} s"
+                )
+            if self._got != want:
+                raise TrainerError(
+                    f"step {step}: trained groups {sorted(self._got - want)} are not the round's"
+                )
+            samples = self._samples
+        wait_s = time.perf_counter() - t0
+        report = self.stream.finish()
+        t_ck = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
+            ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
+            uri = self.store().upload_dir(ck, checkpoint_key)
+        ckpt_s = time.perf_counter() - t_ck
+        self.checkpoint_uri = uri
+        weights = {n: t.detach().clone() for n, t in self.trainer.weights()}
+        t_sync = time.perf_counter()
+        self.peer("rollout").call("load_weights", self.trainer.policy_version, uri, weights)
+        sync_s = time.perf_counter() - t_sync
+        st = report.stats
+        return {
+            "checkpoint_uri": uri,
+            "policy_version": self.trainer.policy_version,
+            "samples": samples,
+            "metrics": {
+                "train/time_s": report.finish_s,
+                "train/wait_s": wait_s,
+                "train/overlap_s": report.overlap_s,
+                "train/streamed_samples": float(report.streamed_samples),
+                "train/loss": st.loss,
+                "train/grad_norm": st.grad_norm,
+                "train/clip_frac": st.clip_frac,
+                "train/ratio_mean": st.ratio_mean,
+                "train/kl": st.kl,
+                "train/checkpoint_s": ckpt_s,
+                "weights/sync_s": sync_s,
+            },
+        }
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None

@@ -1,0 +1,145 @@
+"""The local services launcher: starts what is missing, reuses what runs, stops only what it started."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rollpacker import devservices
+from rollpacker.devservices import RayPorts, SeaweedPorts, ServicesError
+from rollpacker.store.objstore import ObjectStore
+
+
+@pytest.fixture
+def foreign() -> Iterator[subprocess.Popen[bytes]]:
+    """A process nobody asked `down` to stop (started in its own session, like the services)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _alive(pids: tuple[int, ...] | list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes]) -> None:
+    root = tmp_path / "svc"
+    ports = SeaweedPorts.free()
+    svc = devservices.up(root, bucket="bkt-one", mlflow=False, ray=False, seaweed_ports=ports, timeout_s=30)
+    assert svc.started == ("seaweedfs",) and svc.reused == ()
+    assert svc.s3_endpoint == f"127.0.0.1:{ports.s3}" and svc.ray_address == "" and svc.tracking_uri == ""
+    assert svc.startup_s["seaweedfs"] < 30
+    creds = json.loads(svc.credentials_file.read_text())
+    assert creds["endpoint"] == svc.s3_endpoint and creds["access_key"] == svc.access_key
+    for f in (svc.credentials_file, root / "s3.json"):
+        assert f.stat().st_mode & 0o777 == 0o600
+    store = ObjectStore(svc.s3_endpoint, "bkt-one", svc.access_key, svc.secret_key)
+    store.check()  # the bucket was created
+    store.put_bytes("k", b"v")
+
+    (st,) = [s for s in devservices.status(root) if s.name == "seaweedfs"]
+    assert st.running and st.healthy and st.pids and st.address == svc.s3_endpoint
+    pids = st.pids
+
+    again = devservices.up(root, bucket="bkt-two", mlflow=False, ray=False, seaweed_ports=ports)
+    assert again.started == () and again.reused == ("seaweedfs",)
+    assert (again.access_key, again.secret_key) == (svc.access_key, svc.secret_key)
+    ObjectStore(svc.s3_endpoint, "bkt-two", svc.access_key, svc.secret_key).check()  # new bucket, same server
+
+    assert devservices.down(root, names=["ray", "mlflow"]) == {}
+    assert _alive(pids) == list(pids)
+    with pytest.raises(ServicesError, match="unknown service"):
+        devservices.down(root, names=["minio"])
+    assert devservices.down(root, grace_s=5) == {"seaweedfs": len(pids)}
+    assert _alive(pids) == []
+    assert _alive([foreign.pid]) == [foreign.pid]  # not ours: untouched
+    assert not (root / "pids" / "seaweedfs.json").exists()
+    assert not any(s.running for s in devservices.status(root))
+    assert devservices.down(root) == {}
+
+    # the data and the keys survive a restart
+    svc3 = devservices.up(root, bucket="bkt-one", mlflow=False, ray=False, seaweed_ports=ports, timeout_s=30)
+    assert svc3.started == ("seaweedfs",) and svc3.access_key == svc.access_key
+    assert ObjectStore(svc3.s3_endpoint, "bkt-one", svc3.access_key, svc3.secret_key).get_bytes("k") == b"v"
+    devservices.down(root, grace_s=5)
+
+
+def test_port_taken_by_a_stranger_is_refused(tmp_path: Path) -> None:
+    ports = SeaweedPorts.free()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.filer))
+        s.listen()
+        with pytest.raises(ServicesError, match=rf"seaweedfs: 127\.0\.0\.1:{ports.filer} in use"):
+            devservices.up(tmp_path, mlflow=False, ray=False, seaweed_ports=ports)
+    assert not (tmp_path / "pids" / "seaweedfs.json").exists()
+
+
+def test_unhealthy_start_is_stopped_and_names_the_log(tmp_path: Path) -> None:
+    with pytest.raises(ServicesError, match=r"seaweedfs did not answer .* see .*logs/seaweedfs\.log"):
+        devservices.up(tmp_path, mlflow=False, ray=False, seaweed_ports=SeaweedPorts.free(), timeout_s=0.01)
+    assert not (tmp_path / "pids" / "seaweedfs.json").exists()
+    assert (tmp_path / "logs" / "seaweedfs.log").exists()
+    leftovers = [
+        p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+    assert _alive(leftovers) == []
+
+
+def test_stale_record_is_replaced(tmp_path: Path) -> None:
+    (tmp_path / "pids").mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    dead.wait()
+    stale = {"sid": dead.pid, "leader_create_time": 0.0, "address": "127.0.0.1:1", "log": "x"}
+    (tmp_path / "pids" / "seaweedfs.json").write_text(json.dumps(stale))
+    svc = devservices.up(tmp_path, mlflow=False, ray=False, seaweed_ports=SeaweedPorts.free(), timeout_s=30)
+    try:
+        assert svc.started == ("seaweedfs",)
+    finally:
+        devservices.down(tmp_path, grace_s=5)
+
+
+@pytest.mark.slow
+def test_mlflow_and_ray_up_down(tmp_path: Path, foreign: subprocess.Popen[bytes]) -> None:
+    root = tmp_path / "svc"
+    mlflow_port = devservices.free_ports(1)[0]
+    kw = {"seaweed_ports": SeaweedPorts.free(), "mlflow_port": mlflow_port, "ray_ports": RayPorts.free()}
+    svc = devservices.up(root, timeout_s=120, **kw)  # type: ignore[arg-type]
+    try:
+        assert svc.started == ("seaweedfs", "mlflow", "ray")
+        assert svc.tracking_uri == f"http://127.0.0.1:{mlflow_port}"
+        assert svc.ray_address.startswith("127.0.0.2:")
+        with urllib.request.urlopen(svc.tracking_uri + "/health", timeout=5) as r:
+            assert r.status == 200
+        env = svc.env()
+        assert env["RAY_ADDRESS"] == svc.ray_address and env["MLFLOW_TRACKING_URI"] == svc.tracking_uri
+        assert devservices.local_ray_address(root) == svc.ray_address
+        assert devservices.local_tracking_uri(root) == svc.tracking_uri
+        statuses = {s.name: s for s in devservices.status(root)}
+        assert all(s.running and s.healthy for s in statuses.values())
+        ray_pids = statuses["ray"].pids
+        names = {psutil.Process(p).name() for p in ray_pids}
+        assert {"gcs_server", "raylet"} <= names  # the daemons `ray start` left behind are recorded
+        again = devservices.up(root, **kw)  # type: ignore[arg-type]
+        assert again.started == () and again.reused == ("seaweedfs", "mlflow", "ray")
+    finally:
+        counts = devservices.down(root, grace_s=5)
+    assert set(counts) == {"seaweedfs", "mlflow", "ray"}
+    assert _alive([p for s in statuses.values() for p in s.pids]) == []
+    assert _alive([foreign.pid]) == [foreign.pid]
+    assert devservices.local_ray_address(root) == ""
