@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.core.errors import RollpackerError
 
 PACKAGES = ("components", "pipelines")
 OUTPUTS = ("rl_step.yaml", "rl_experiment.yaml")
@@ -79,19 +79,6 @@ def compile_pipelines(out_dir: Path, steps: int) -> list[Path]:
 
 def steps_from_config(path: Path) -> int:
     """``steps`` of an experiment YAML (validated like ``rollpacker train`` does)."""
-    import yaml
+    from rollpacker.loop.runner import load_config
 
-    from rollpacker.core.config import ExperimentConfig, from_mapping
-
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; see configs/ for examples")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    try:
-        return from_mapping(ExperimentConfig, data).steps
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from e
+    return load_config(path).steps

@@ -141,3 +141,21 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     assert len(overhead) == STEPS and all(v >= 0 for _, v in overhead)
     assert tracker.state_pointer(run_id) == (store.uri(states.state_key(STEPS - 1)), STEPS - 1)
     assert os.environ["ROLLPACKER_FAULT"]  # the faults were armed for the whole run
+
+    # resume: the arm's services were stopped at its end; one more step rebuilds them from the
+    # object store (weights, optimizer, cursor, queue) and continues the same chain and MLflow run
+    monkeypatch.delenv("ROLLPACKER_FAULT")
+    cfg_path.write_text(cfg_path.read_text().replace(f"steps: {STEPS}", f"steps: {STEPS + 1}"))
+    more = run_experiment(
+        cfg_path,
+        runner="kfp",
+        retries=0,
+        pipeline_root=tmp_path / "kfp2",
+        start_services=False,
+        echo=lines.append,
+    )
+    assert more.arms[0].steps_run == 1 and more.arms[0].failures == 0
+    last = states.latest()
+    assert last is not None and last.step == STEPS and last.policy_version == STEPS + 1
+    assert last.mlflow_run_id == run_id
+    assert [s for s, _ in tracker.metric_history(run_id, "train/loss")] == list(range(1, STEPS + 2))

@@ -67,6 +67,25 @@ class RolloutMetrics:
     def as_dict(self) -> dict[str, float | int | str]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
+    def logged(self, long_queue_size: int) -> dict[str, float]:
+        """The step's ``rollout/*`` metrics as logged to MLflow (round kind as a number:
+        0 standard, 1 short, 2 long)."""
+        return {
+            "rollout/time_s": self.time_s,
+            "rollout/bubble_ratio": self.bubble_ratio,
+            "rollout/max_response_len": float(self.response_len_max),
+            "rollout/mean_response_len": self.response_len_mean,
+            "rollout/tokens_generated": float(self.tokens_generated),
+            "rollout/tokens_wasted": float(self.tokens_wasted),
+            "rollout/aborted": float(self.aborted_requests),
+            "rollout/preemptions": float(self.preemptions),
+            "rollout/round_kind": float(ROUND_CODE.get(self.round_kind, -1)),
+            "rollout/long_queue_size": float(long_queue_size),
+        }
+
+
+ROUND_CODE = {"standard": 0, "short": 1, "long": 2}
+
 
 def rollout_metrics(
     result: RoundResult,

@@ -79,7 +79,8 @@ def run_experiment(
 ) -> ExperimentOutcome:
     from rollpacker.loop.runner import load_config
 
-    say = echo or (lambda s: print(s, file=sys.stderr, flush=True))
+    err = sys.stderr  # bound now: kfp.local's run redirects sys.stderr into its log
+    say = echo or (lambda s: print(s, file=err, flush=True))
     if runner not in ("kfp", "inline"):
         raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
     text = Path(config_path).read_text() if Path(config_path).is_file() else None
@@ -107,6 +108,7 @@ def run_experiment(
         out.compare_table = report.render()
         return out
     finally:
+        _disconnect_ray()
         if saved_mode is None:
             os.environ.pop("ROLLPACKER_SERVICES", None)
         else:
@@ -167,6 +169,17 @@ def _run_arm(
         registry.kill_all()
 
 
+def _disconnect_ray() -> None:
+    """Leave the Ray cluster this process joined: a driver still connected when the cluster goes
+    away (``make down``, a test's teardown) is exited by Ray itself."""
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 def _brief(m: dict[str, float]) -> str:
     keys = ("step/time_s", "rollout/time_s", "reward/mean", "val/accuracy")
     return " ".join(f"{k}={m[k]:.3g}" for k in keys if k in m)
@@ -201,10 +214,17 @@ def reset_arms(config_path: Path, arms: Sequence[str] | None, start_services: bo
         _local_up(cfg, lambda s: print(s, file=sys.stderr)) if start_services and _is_local(cfg) else None
     )
     try:
+        from rollpacker.tracking import ExperimentTracker
+
         store = ObjectStore.from_config(cfg.store)
+        tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+        tracker.check()
         for a in arms or [x.value for x in cfg.arms]:
             n = StateStore(store, cfg.experiment, a).reset()
-            print(f"[{a}] --fresh: deleted {n} objects", file=sys.stderr)
+            run = tracker.find_arm_run(a)
+            if run is not None:
+                tracker.client.delete_run(run)  # the arm starts a new MLflow run
+            print(f"[{a}] --fresh: deleted {n} objects and the arm's MLflow run", file=sys.stderr)
     finally:
         if started is not None:
             from rollpacker import devservices

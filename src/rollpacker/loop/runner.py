@@ -38,27 +38,34 @@ from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
 from rollpacker.core.tasks import RewardKind, TaskExample, split
 from rollpacker.core.timeout import AdaptiveTimeout
-from rollpacker.core.types import Completion, Group, Prompt, RoundKind, SamplingSpec
+from rollpacker.core.types import Completion, Group, Prompt, SamplingSpec
 from rollpacker.rewards.base import RewardFunction, RewardRequest, RewardResult, RewardRouter
 
 # the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
 _CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
-_ROUND_CODE = {RoundKind.STANDARD: 0, RoundKind.SHORT: 1, RoundKind.LONG: 2}
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
     """Read a YAML experiment config; unknown keys are rejected by name."""
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist; see configs/ for examples")
+    return config_from_text(p.read_text(), where=str(p), overrides=overrides)
+
+
+def config_from_text(
+    text: str, where: str = "config", overrides: dict[str, Any] | None = None
+) -> ExperimentConfig:
+    """The experiment config from YAML text (what the pipeline stages receive); ``overrides`` maps
+    dotted keys (``rollout.policy``) to values."""
+    import yaml
+
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+        raise ConfigError(f"{where}: not valid YAML: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
     for dotted, value in (overrides or {}).items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -68,7 +75,7 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ex
     try:
         return from_mapping(ExperimentConfig, data)
     except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from e
+        raise ConfigError(f"{where}: {e}") from e
 
 
 @dataclass
@@ -296,16 +303,7 @@ class RLRun:
         rewards = [r.reward for r in scorer.results]
         latency = [r.elapsed_s for r in scorer.results]
         metrics = {
-            "rollout/time_s": m.time_s,
-            "rollout/bubble_ratio": m.bubble_ratio,
-            "rollout/max_response_len": float(m.response_len_max),
-            "rollout/mean_response_len": m.response_len_mean,
-            "rollout/tokens_generated": float(m.tokens_generated),
-            "rollout/tokens_wasted": float(m.tokens_wasted),
-            "rollout/aborted": float(m.aborted_requests),
-            "rollout/preemptions": float(m.preemptions),
-            "rollout/round_kind": float(_ROUND_CODE[plan.round_kind]),
-            "rollout/long_queue_size": float(len(getattr(self.policy, "queue", ()))),
+            **m.logged(len(getattr(self.policy, "queue", ()))),
             "reward/mean": sum(rewards) / len(rewards),
             "reward/tail_s": reward_tail_s,
             "reward/latency_s_mean": sum(latency) / len(latency),

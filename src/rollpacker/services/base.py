@@ -21,17 +21,9 @@ from rollpacker.services.registry import ServiceRegistry, config_digest
 
 def arm_config(config_text: str, arm: str) -> ExperimentConfig:
     """The experiment config from YAML text, with ``rollout.policy`` set to the arm's policy."""
-    import yaml
+    from rollpacker.loop.runner import config_from_text
 
-    from rollpacker.core.config import from_mapping
-
-    try:
-        data = yaml.safe_load(config_text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"the config is not valid YAML: {e}") from e
-    if not isinstance(data, dict):
-        raise ConfigError("the config's top level must be a mapping of sections")
-    cfg = from_mapping(ExperimentConfig, data)
+    cfg = config_from_text(config_text)
     try:
         policy = PolicyName(arm)
     except ValueError:

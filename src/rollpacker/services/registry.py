@@ -283,6 +283,7 @@ def connect_ray(address: str, namespace: str) -> None:
             "no Ray cluster to run the services on: set services.ray_address or $RAY_ADDRESS, or start "
             "the local one with `make up`"
         )
+    _probe(addr)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     try:
         ray.init(
@@ -296,4 +297,22 @@ def connect_ray(address: str, namespace: str) -> None:
         raise ServiceError(
             f"services.ray_address = {addr!r}: no Ray cluster answers ({type(e).__name__}: {e}); start "
             "the local one with `make up` or fix services.ray_address / $RAY_ADDRESS"
+        ) from e
+
+
+def _probe(addr: str, timeout_s: float = 3.0) -> None:
+    """A TCP connect to the Ray head first: ``ray.init`` on a dead address retries for minutes."""
+    import socket
+
+    target = addr.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ServiceError(f"services.ray_address = {addr!r}: expected host:port (e.g. 127.0.0.2:6380)")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ServiceError(
+            f"services.ray_address = {addr!r}: no Ray cluster answers there ({e}); start the local one "
+            "with `make up` or fix services.ray_address / $RAY_ADDRESS"
         ) from e

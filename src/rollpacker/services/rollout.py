@@ -29,10 +29,8 @@ from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
-from rollpacker.core.types import Completion, GenerationRequest, Group, RoundKind, SamplingSpec
+from rollpacker.core.types import Completion, GenerationRequest, Group, SamplingSpec
 from rollpacker.services.base import Service, TaskData, task_data
-
-ROUND_CODE = {RoundKind.STANDARD: 0, RoundKind.SHORT: 1, RoundKind.LONG: 2}
 
 
 class Superseded(RollpackerError):
@@ -210,18 +208,7 @@ class RolloutService(Service):
                 },
                 "next_cursor": asdict(cur),
                 "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
-                "metrics": {
-                    "rollout/time_s": m.time_s,
-                    "rollout/bubble_ratio": m.bubble_ratio,
-                    "rollout/max_response_len": float(m.response_len_max),
-                    "rollout/mean_response_len": m.response_len_mean,
-                    "rollout/tokens_generated": float(m.tokens_generated),
-                    "rollout/tokens_wasted": float(m.tokens_wasted),
-                    "rollout/aborted": float(m.aborted_requests),
-                    "rollout/preemptions": float(m.preemptions),
-                    "rollout/round_kind": float(ROUND_CODE[plan.round_kind]),
-                    "rollout/long_queue_size": float(len(queue) if queue is not None else 0),
-                },
+                "metrics": m.logged(len(queue) if queue is not None else 0),
             }
 
     def _drain_engine(self) -> None:

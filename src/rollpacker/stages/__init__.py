@@ -134,6 +134,7 @@ def plan(config: str, arm: str) -> PlanOutput:
     ctx = _Ctx(config, arm, check=True)
     tracker = ctx.tracker(check=True)
     state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
+    t_init = time.perf_counter()
     if state is None:
         state = _init_state(ctx, tracker)
     else:
@@ -161,6 +162,8 @@ def plan(config: str, arm: str) -> PlanOutput:
             val = rollout.call("validate", 0, attempt)
             tracker.log_step(state.mlflow_run_id, 0, val)
             plan["val0"] = val
+    # one-off work of an arm's first step (warm-up, engine start, first validation): not step time
+    plan["init_s"] = time.perf_counter() - t_init if state.step == -1 else 0.0
     return PlanOutput(_out(plan, t0, t0_wall), step, need_profile, skip)
 
 
@@ -233,8 +236,11 @@ def train(config: str, plan: str, rollout: str, reward: str, judge: str) -> str:
     key = f"{ctx.prefix}/ckpt/step-{step:06d}-{p['attempt']}/"
     out = ctx.services.get("trainer").call("finish", p["attempt"], step, r["trained"], key)
     _fault("train", step, delay_s=0.0)  # the nastiest point: trainer and engine ahead of the state
+    out["val_s"] = 0.0
     if (step + 1) % cfg.validation.every == 0 or step == cfg.steps - 1:
+        t_val = time.perf_counter()
         out["metrics"].update(ctx.services.get("rollout").call("validate", step + 1, p["attempt"]))
+        out["val_s"] = time.perf_counter() - t_val
     return _out(out, t0, t0_wall)
 
 
@@ -293,7 +299,10 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
         step, "lengths.json", json.dumps({"round_kind": r["round_kind"], "lengths": r["lengths"]}).encode()
     )
     metrics["pipeline/overhead_s"] = max(0.0, time.time() - p["t_start_wall"] - work)
-    metrics["step/time_s"] = time.time() - p["t_start_wall"]
+    wall = time.time() - p["t_start_wall"]
+    metrics["step/wall_s"] = wall
+    # the RL step itself: without the arm's one-off start-up and without validation
+    metrics["step/time_s"] = wall - float(p.get("init_s", 0.0)) - float(tr.get("val_s", 0.0))
     for name, st in stages.items():
         metrics[f"stage/{name}_s"] = float(st.get("work_s", 0.0))
     summary = {
