@@ -441,12 +441,13 @@ def run_cmd(
     from rollpacker.loop.experiment import run_experiment
 
     try:
-        if fresh:
-            from rollpacker.loop.experiment import reset_arms
-
-            reset_arms(config, arm or None, start_services=not no_services)
         out = run_experiment(
-            config, runner=runner, arms=arm or None, retries=retries, start_services=not no_services
+            config,
+            runner=runner,
+            arms=arm or None,
+            retries=retries,
+            start_services=not no_services,
+            fresh=fresh,
         )
     except RollpackerError as e:
         _fail(e)

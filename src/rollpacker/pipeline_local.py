@@ -89,6 +89,11 @@ class _Console(io.TextIOBase):
             self.tail.clear()
             if task_kind(self.current) == PLAN_TASK:
                 self.step += 1
+                if self.step == 1:
+                    self.echo(
+                        f"[kfp] {self.arm} step 1/{self.steps} controller-plan running (an arm's first "
+                        "plan also prepares its services: warm-ups (cached), engine start, validation)"
+                    )
         elif m := _END.search(line):
             rec = TaskRecord(self.step, m.group(1), m.group(2), time.monotonic() - self.started)
             self.records.append(rec)

@@ -52,7 +52,8 @@ def test_three_steps_run_in_order_with_one_line_per_task(
         assert kinds[len(head) + 2 :] == ["training", "controller-commit"], kinds
     assert all(r.status == "SUCCESS" and r.seconds >= 0 for r in records)
     assert sum("profiling" in line and "skipped" in line for line in lines) == 2
-    assert len(lines) == 2 + len(records) + 2  # header, tasks, two skips, done
+    assert len(lines) == 3 + len(records) + 2  # header, first-plan notice, tasks, two skips, done
+    assert sum("running" in line for line in lines) == 1
     # kfp.local's own output went to the log file, not to the console
     out = capsys.readouterr()
     assert out.out == "" and out.err == ""

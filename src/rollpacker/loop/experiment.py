@@ -76,6 +76,7 @@ def run_experiment(
     pipeline_root: Path = Path("build/kfp"),
     start_services: bool = True,
     echo: Callable[[str], None] | None = None,
+    fresh: bool = False,
 ) -> ExperimentOutcome:
     from rollpacker.loop.runner import load_config
 
@@ -98,6 +99,8 @@ def run_experiment(
     os.environ["ROLLPACKER_SERVICES"] = "ray" if runner == "kfp" else "inline"
     try:
         preflight(cfg, runner)
+        if fresh:
+            reset_arms(cfg, chosen, say)
         out = ExperimentOutcome(cfg.experiment, tracking_uri=cfg.tracking_uri)
         for arm in chosen:
             out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say))
@@ -203,30 +206,17 @@ def _local_up(cfg: ExperimentConfig, say: Callable[[str], None]) -> Any:
     return None
 
 
-def reset_arms(config_path: Path, arms: Sequence[str] | None, start_services: bool = True) -> None:
-    """``--fresh``: delete the arms' committed states, blobs and checkpoints in the store."""
-    from rollpacker.loop.runner import load_config
+def reset_arms(cfg: ExperimentConfig, arms: Sequence[str], say: Callable[[str], None]) -> None:
+    """``--fresh``: delete the arms' committed states, blobs and checkpoints, and their MLflow runs."""
     from rollpacker.store.objstore import ObjectStore
     from rollpacker.store.state_store import StateStore
+    from rollpacker.tracking import ExperimentTracker
 
-    cfg = load_config(config_path)
-    started = (
-        _local_up(cfg, lambda s: print(s, file=sys.stderr)) if start_services and _is_local(cfg) else None
-    )
-    try:
-        from rollpacker.tracking import ExperimentTracker
-
-        store = ObjectStore.from_config(cfg.store)
-        tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
-        tracker.check()
-        for a in arms or [x.value for x in cfg.arms]:
-            n = StateStore(store, cfg.experiment, a).reset()
-            run = tracker.find_arm_run(a)
-            if run is not None:
-                tracker.client.delete_run(run)  # the arm starts a new MLflow run
-            print(f"[{a}] --fresh: deleted {n} objects and the arm's MLflow run", file=sys.stderr)
-    finally:
-        if started is not None:
-            from rollpacker import devservices
-
-            devservices.down(started.root, names=started.started)
+    store = ObjectStore.from_config(cfg.store)
+    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    for a in arms:
+        n = StateStore(store, cfg.experiment, a).reset()
+        run = tracker.find_arm_run(a)
+        if run is not None:
+            tracker.client.delete_run(run)  # the arm starts a new MLflow run
+        say(f"[{a}] --fresh: deleted {n} objects and the arm's MLflow run")
