@@ -358,21 +358,12 @@ class RLRun:
     ) -> dict[str, float]:
         """Accuracy (mean over ``samples`` responses per prompt) on the held-out split, or on
         ``prompts`` when given, at the validation temperature, under the engine's current weights."""
-        from rollpacker.core.types import GenerationRequest
-        from rollpacker.rollout.driver import generate
+        from rollpacker.rollout.driver import generate, sample_requests
 
         v = self.cfg.validation
         sp = SamplingSpec(max_tokens=v.max_tokens, temperature=v.temperature)
-        reqs = [
-            GenerationRequest(
-                request_id=f"{tag}/{self.run_dir.name}/s{step}/{p.prompt_id}/k{j}",
-                prompt=p,
-                sample_index=j,
-                sampling=sp,
-            )
-            for p in (self.val_prompts if prompts is None else prompts)
-            for j in range(samples)
-        ]
+        chosen = self.val_prompts if prompts is None else prompts
+        reqs = sample_requests(chosen, samples, sp, f"{tag}/{self.run_dir.name}/s{step}")
         t0 = time.perf_counter()
         comps = generate(self.engine, reqs)
         futs = [

@@ -25,7 +25,9 @@ from rollpacker.core.types import (
     FinishReason,
     GenerationRequest,
     Group,
+    Prompt,
     RoundResult,
+    SamplingSpec,
 )
 from rollpacker.engines.base import RolloutEngine
 
@@ -135,6 +137,19 @@ def run_round(
         preemptions=engine.num_preemptions() - preempt0,
     )
     return RoundRun(result=result, metrics=metrics, steps=tuple(steps), engine_tokens=engine_tokens)
+
+
+def sample_requests(
+    prompts: Sequence[Prompt], samples: int, sampling: SamplingSpec, id_prefix: str
+) -> list[GenerationRequest]:
+    """``samples`` requests per prompt (validation, evaluation), ids ``<id_prefix>/<prompt>/k<j>``."""
+    return [
+        GenerationRequest(
+            request_id=f"{id_prefix}/{p.prompt_id}/k{j}", prompt=p, sample_index=j, sampling=sampling
+        )
+        for p in prompts
+        for j in range(samples)
+    ]
 
 
 def generate(

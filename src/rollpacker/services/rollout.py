@@ -223,22 +223,13 @@ class RolloutService(Service):
     # -- validation and profiling -----------------------------------------------------------------
     def validate(self, step: int, attempt: str, samples: int = 1) -> dict[str, float]:
         """Accuracy on the held-out split under the served weights, scored by the reward services."""
-        from rollpacker.rollout.driver import generate
+        from rollpacker.rollout.driver import generate, sample_requests
 
         with self._round_lock:
             data = self.data()
             v = self.cfg.validation
             sp = SamplingSpec(max_tokens=v.max_tokens, temperature=v.temperature)
-            reqs = [
-                GenerationRequest(
-                    request_id=f"val/{self.arm}/{attempt}/s{step}/{p.prompt_id}/k{j}",
-                    prompt=p,
-                    sample_index=j,
-                    sampling=sp,
-                )
-                for p in data.val_prompts
-                for j in range(samples)
-            ]
+            reqs = sample_requests(data.val_prompts, samples, sp, f"val/{self.arm}/{attempt}/s{step}")
             t0 = time.perf_counter()
             comps = generate(self.engine, reqs)
         tok = _tokenizer(str(self.model_dir))
