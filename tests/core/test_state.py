@@ -33,10 +33,12 @@ states = st.builds(
         tuple
     ),
     tp_plan=st.builds(
-        TPPlan,
-        short_tp=st.integers(1, 8),
-        long_tp=st.integers(1, 8),
-        preemption_history=st.lists(st.integers(0, 10**6), max_size=5).map(tuple),
+        lambda short, long, hist: TPPlan(short, long, tuple(p for _, p in hist), tuple(k for k, _ in hist)),
+        st.integers(1, 8),
+        st.integers(1, 8),
+        st.lists(
+            st.tuples(st.sampled_from(["short", "long", "standard"]), st.integers(0, 10**6)), max_size=5
+        ),
     ),
     timeout_anchors=st.text(max_size=20),
     length_history=st.lists(st.tuples(names, st.integers(0, 10**5)), max_size=5).map(tuple),
@@ -129,3 +131,13 @@ def test_bad_documents_raise_state_error(text: str, match: str) -> None:
 def test_error_names_where_the_document_came_from() -> None:
     with pytest.raises(StateError, match=r"^s3://b/x\.json: "):
         ControllerState.from_json("{", where="s3://b/x.json")
+
+
+def test_a_tp_history_with_a_kind_missing_is_refused() -> None:
+    with pytest.raises(StateError, match="round kinds"):
+        TPPlan(preemption_history=(3,))
+    doc = json.loads(ControllerState("e", "a", 0, 0, 0, 0).to_json())
+    doc["tp_plan"]["preemption_history"] = [1, 2]
+    doc["tp_plan"]["round_kinds"] = ["short"]
+    with pytest.raises(StateError, match="tp_plan"):
+        ControllerState.from_json(json.dumps(doc))

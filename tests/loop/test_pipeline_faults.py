@@ -70,6 +70,7 @@ validation: {{every: 100, max_tokens: 64}}
 def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rollpacker.core.planner import replay
     from rollpacker.loop.experiment import run_experiment
     from rollpacker.loop.runner import load_config
     from rollpacker.store.objstore import ObjectStore
@@ -123,6 +124,14 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
             assert cur.long_queue == prev.long_queue + tuple(g["deferred"])
             assert not set(g["trained"]) & set(prev.long_queue)
         assert cur.trained_prompts == prev.trained_prompts + p0
+        # the TP plan's history grows by exactly this step, and the plan is its replay
+        assert cur.tp_plan.round_kinds == (*prev.tp_plan.round_kinds, g["round_kind"])
+        assert len(cur.tp_plan.preemption_history) == s + 1
+        planned = replay(cfg.planner, cur.tp_plan.history)
+        assert (cur.tp_plan.short_tp, cur.tp_plan.long_tp) == (
+            planned.tp_for("short"),
+            planned.tp_for("long"),
+        )
 
     trained = Counter(p for g in groups for p in g["trained"])
     assert max(trained.values()) == 1, "a prompt was trained twice"

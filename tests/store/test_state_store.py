@@ -53,7 +53,12 @@ def advance(s: ControllerState) -> ControllerState:
     return s.successor(
         cursor_position=s.cursor_position + 4,
         long_queue=(*s.long_queue, f"p{s.step + 1}"),
-        tp_plan=TPPlan(short_tp=1, long_tp=2, preemption_history=(*s.tp_plan.preemption_history, s.step + 1)),
+        tp_plan=TPPlan(
+            short_tp=1,
+            long_tp=2,
+            preemption_history=(*s.tp_plan.preemption_history, s.step + 1),
+            round_kinds=(*s.tp_plan.round_kinds, "short"),
+        ),
         checkpoint_uri=f"s3://bucket/x/ckpt/step-{s.step + 1:06d}/",
         policy_version=s.policy_version + 1,
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.timeout import TimeoutConfig
 
 
@@ -379,6 +380,7 @@ class ExperimentConfig:
     arms: tuple[PolicyName, ...] = (PolicyName.SYNC, PolicyName.TAIL_BATCHING)
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)

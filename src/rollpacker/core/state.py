@@ -30,12 +30,24 @@ class StateError(RollpackerError):
 
 @dataclass(frozen=True)
 class TPPlan:
-    """The tensor-parallel sizes of short and long rounds and the preemptions they saw (issue 6
-    plans them; until then both stay at the profiled default)."""
+    """The tensor-parallel sizes of short and long rounds and the step history they follow from
+    (``core.planner.replay`` of ``zip(round_kinds, preemption_history)``)."""
 
     short_tp: int = 1
     long_tp: int = 1
-    preemption_history: tuple[int, ...] = ()
+    preemption_history: tuple[int, ...] = ()  # KV-cache preemptions per committed step
+    round_kinds: tuple[str, ...] = ()  # the round kind of each of those steps
+
+    def __post_init__(self) -> None:
+        if len(self.round_kinds) != len(self.preemption_history):
+            raise StateError(
+                f"tp_plan: {len(self.round_kinds)} round kinds for {len(self.preemption_history)} "
+                "preemption counts; each committed step adds one of each"
+            )
+
+    @property
+    def history(self) -> tuple[tuple[str, int], ...]:
+        return tuple(zip(self.round_kinds, self.preemption_history, strict=True))
 
 
 @dataclass(frozen=True)
@@ -92,10 +104,14 @@ class ControllerState:
                 short_tp=_int(tp, "short_tp", where),
                 long_tp=_int(tp, "long_tp", where),
                 preemption_history=tuple(int(x) for x in tp.get("preemption_history", ())),
+                round_kinds=tuple(str(x) for x in tp.get("round_kinds", ())),
             )
+
             kw["long_queue"] = tuple(str(x) for x in _list(data, "long_queue", where))
             kw["partial_cache"] = tuple(dict(x) for x in _list(data, "partial_cache", where))
             kw["length_history"] = tuple((str(p), int(n)) for p, n in _list(data, "length_history", where))
+        except StateError as e:
+            raise StateError(f"{where}: {e}") from e
         except (TypeError, ValueError) as e:
             raise StateError(f"{where}: malformed field ({e})") from e
         required = [

@@ -271,11 +271,7 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
         cursor_epoch=r["next_cursor"]["epoch"],
         cursor_position=r["next_cursor"]["position"],
         long_queue=tuple(r["next_queue"]),
-        tp_plan=TPPlan(
-            state.tp_plan.short_tp,
-            state.tp_plan.long_tp,
-            (*state.tp_plan.preemption_history, int(metrics["rollout/preemptions"])),
-        ),
+        tp_plan=_next_tp_plan(ctx, state.tp_plan, r["round_kind"], int(metrics["rollout/preemptions"])),
         timeout_anchors=rw.get("timeout_anchors") or state.timeout_anchors,
         length_history=tuple(list(hist.items())[-LENGTH_HISTORY_MAX:]),
         checkpoint_uri=tr["checkpoint_uri"],
@@ -319,6 +315,17 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     _log_step(ctx, new, step, metrics, r["round_kind"], r["lengths"])
     _gc_checkpoints(ctx, keep={new.checkpoint_uri, state.checkpoint_uri})
     return CommitOutput(json.dumps(summary), metrics)
+
+
+def _next_tp_plan(ctx: _Ctx, plan: TPPlan, round_kind: str, preemptions: int) -> TPPlan:
+    """The TP plan after this step: the planner's heuristic replayed over the whole history (the
+    engines follow it once the planner issue lands; until then it is recorded)."""
+    from rollpacker.core.planner import replay
+
+    kinds = (*plan.round_kinds, round_kind)
+    history = (*plan.preemption_history, preemptions)
+    planned = replay(ctx.cfg.planner, zip(kinds, history, strict=True))
+    return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds)
 
 
 def _profile_key(ctx: _Ctx, attempt: str) -> str:
@@ -389,6 +396,7 @@ def _init_state(ctx: _Ctx, tracker: Any) -> ControllerState:
         cursor_position=0,
         checkpoint_uri=uri,
         policy_version=0,
+        tp_plan=TPPlan(cfg.planner.initial_tp, cfg.planner.initial_tp),
         seed=cfg.seed,
         mlflow_run_id=run_id,
     )
