@@ -125,8 +125,7 @@ class VLLMEngine:
             )
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         from vllm import EngineArgs, LLMEngine
 
         self._collector = _StatsCollector()
@@ -136,6 +135,8 @@ class VLLMEngine:
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             tensor_parallel_size=cfg.tensor_parallel_size,
+            # TP workers as processes (Ray is the cluster's, not the engine's, scheduler here).
+            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
             seed=cfg.seed,
             disable_log_stats=False,
             enforce_eager=True,

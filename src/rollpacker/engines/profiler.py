@@ -1,0 +1,261 @@
+"""The offline profiler (PAT section 4.2) and the real decoding trajectories that check it.
+
+For each candidate layout (``tp`` x ``dp`` on one node) it starts the layout's engines once and,
+for a sparse grid of per-replica batch sizes ``B`` and context lengths ``L`` with ``B * L`` within
+the KV budget, injects ``B`` random prefixes of ``L`` tokens into every replica (all replicas
+loaded alike, so their interference is measured), times the prefill (until every request has its
+first token) and then a short window of decode steps. It also records KV bytes per token, the
+engine's KV capacity, and the one-way copy bandwidth a KV migration would run at.
+
+``record_trajectory`` runs real prompts (sampled, natural lengths, the batch draining as responses
+finish) on a layout and records each decode step's per-replica load and wall time: the held-out
+set the predictor's error is measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.config import EngineConfig
+from rollpacker.core.errors import EngineError
+from rollpacker.core.latency import (
+    Layout,
+    LayoutProfile,
+    ProfilePoint,
+    ProfileTable,
+    TrajectoryStep,
+)
+from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
+from rollpacker.engines.layout import EnginePool, LayoutEngine
+
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CONTEXTS = (16, 64, 256, 768)
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    layouts: tuple[Layout, ...]
+    batches: tuple[int, ...] = DEFAULT_BATCHES
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS
+    window: int = 16  # decode steps timed per point
+    token_cap: int = 0  # B * L budget per replica; 0 = the engine's KV capacity
+    seed: int = 0
+
+    def grid(self, kv_capacity: int, max_model_len: int, max_num_seqs: int) -> list[tuple[int, int]]:
+        cap = min(self.token_cap or kv_capacity, kv_capacity)
+        return [
+            (b, length)
+            for b in sorted(set(self.batches))
+            for length in sorted(set(self.contexts))
+            if b * (length + self.window + 1) <= cap
+            and length + self.window + 1 <= max_model_len
+            and b <= max_num_seqs
+        ]
+
+
+def kv_bytes_per_token(model_dir: str | Path, dtype: str) -> int:
+    """K and V of every layer for one token, whole model (a TP rank holds 1/tp of the heads)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return 2 * int(cfg["num_hidden_layers"]) * kv_heads * head_dim * size
+
+
+def copy_bandwidth_bps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+    """One-way copy bandwidth on this node's devices (host memcpy on a CPU, device-to-device
+    between two GPUs when there are two): what a KV migration would move data at."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        sync: Callable[[], None] = torch.cuda.synchronize
+    else:
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+
+        def sync() -> None:
+            return None
+
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def _engine_kv_capacity(engine: LayoutEngine) -> int:
+    rep = engine.replicas[0]
+    cc = rep._engine.vllm_config.cache_config
+    blocks = cc.num_gpu_blocks
+    if not blocks:
+        raise EngineError("vLLM did not report its KV cache size (cache_config.num_gpu_blocks)")
+    return int(blocks) * int(cc.block_size)
+
+
+def _random_requests(
+    rng: random.Random, tag: str, batch: int, length: int, vocab: int, max_tokens: int
+) -> list[GenerationRequest]:
+    # random token ids: no two prefixes share a block, so the prefix cache never hits
+    return [
+        GenerationRequest(
+            request_id=f"{tag}/{i}",
+            prompt=Prompt(f"{tag}/{i}", tuple(rng.randrange(1, vocab) for _ in range(length))),
+            sample_index=0,
+            sampling=SamplingSpec(max_tokens=max_tokens, ignore_eos=True, temperature=1.0),
+        )
+        for i in range(batch)
+    ]
+
+
+def measure_point(
+    engine: LayoutEngine, rng: random.Random, tag: str, batch: int, length: int, window: int
+) -> ProfilePoint:
+    """Prefill ``batch`` random ``length``-token prefixes per replica, then time ``window`` steps."""
+    vocab = engine.vocab_size
+    for rep in range(engine.layout.dp):
+        for req in _random_requests(rng, f"{tag}/r{rep}", batch, length, vocab, window + 2):
+            engine.add_request(req)
+    t0 = time.perf_counter()
+    while not engine.all_started():
+        if not engine.has_unfinished():
+            raise EngineError(f"profile point B={batch} L={length}: the engine ran dry in prefill")
+        engine.step()
+    prefill = time.perf_counter() - t0
+    times: list[float] = []
+    tokens: list[float] = []
+    for _ in range(window):
+        loads = engine.loads()
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+        tokens.append(max(tk for _, tk in loads))
+    engine.abort(list(engine.held()))
+    while engine.has_unfinished():  # let the aborts land before the next point
+        engine.step()
+    return ProfilePoint(
+        batch=batch,
+        context=length,
+        tokens=sum(tokens) / len(tokens),
+        prefill_s=prefill,
+        decode_s=sum(times) / len(times),
+    )
+
+
+def profile_engines(
+    cfg: EngineConfig,
+    spec: ProfileSpec,
+    devices: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    pool: EnginePool | None = None,
+) -> ProfileTable:
+    """Measure every layout of ``spec`` (engines from ``pool``, or started here and closed)."""
+    t_start = time.perf_counter()
+    say = progress or (lambda _m: None)
+    own = pool is None
+    pool = pool or EnginePool(
+        cfg, spec.layouts, devices, on_start=lambda lay, s: say(f"{lay.name}: engines up in {s:.1f} s")
+    )
+    try:
+        layouts = []
+        rng = random.Random(spec.seed)
+        for lay in spec.layouts:
+            eng = pool[lay]
+            cap = _engine_kv_capacity(eng)
+            grid = spec.grid(cap, cfg.max_model_len, cfg.max_num_seqs)
+            if not grid:
+                raise EngineError(
+                    f"{lay.name}: no profile point fits (KV capacity {cap} tokens, max_model_len "
+                    f"{cfg.max_model_len}); lower the contexts or raise engine.kv_cache_gib"
+                )
+            # one throw-away point: the first steps of a fresh engine pay one-off set-up
+            measure_point(eng, rng, f"prof/{lay.name}/warm", grid[0][0], grid[0][1], 4)
+            points = []
+            for b, length in grid:
+                p = measure_point(eng, rng, f"prof/{lay.name}/b{b}l{length}", b, length, spec.window)
+                points.append(p)
+                say(
+                    f"{lay.name} B={b:<3} L={length:<4} prefill {p.prefill_s * 1e3:7.1f} ms  "
+                    f"decode {p.decode_s * 1e3:6.2f} ms/step"
+                )
+            layouts.append(
+                LayoutProfile(
+                    layout=lay,
+                    points=tuple(points),
+                    kv_capacity_tokens=cap,
+                    startup_s=eng.startup_s,
+                )
+            )
+        return ProfileTable(
+            model=Path(cfg.model_dir).name,
+            hardware=_hardware(),
+            kv_bytes_per_token=kv_bytes_per_token(cfg.model_dir, cfg.dtype),
+            migration_bandwidth_bps=copy_bandwidth_bps(),
+            layouts=tuple(layouts),
+            decode_window=spec.window,
+            created_s=time.time(),
+            profile_seconds=time.perf_counter() - t_start,
+        )
+    finally:
+        if own:
+            pool.close()
+
+
+def _hardware() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    import os
+
+    return f"{len(os.sched_getaffinity(0))} CPU cores ({platform.processor() or platform.machine()})"
+
+
+def record_trajectory(
+    engine: LayoutEngine, requests: Sequence[GenerationRequest], max_steps: int = 100_000
+) -> list[TrajectoryStep]:
+    """Run ``requests`` to completion on ``engine`` and record every pure-decode step (no request
+    of the step still in prefill): per-replica (batch, context tokens) before it, and its time."""
+    for r in requests:
+        engine.add_request(r)
+    steps: list[TrajectoryStep] = []
+    n = 0
+    while engine.has_unfinished():
+        n += 1
+        if n > max_steps:
+            raise EngineError(f"trajectory: gave up after {max_steps} steps")
+        decoding = engine.all_started()
+        loads = engine.loads()
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if decoding and any(b for b, _ in loads):
+            steps.append(TrajectoryStep(tuple((b, float(tk)) for b, tk in loads), dt))
+    return steps
+
+
+def table_rows(table: ProfileTable) -> list[dict[str, Any]]:
+    return [
+        {
+            "layout": lp.layout.name,
+            "batch": p.batch,
+            "context": p.context,
+            "tokens": round(p.tokens, 1),
+            "prefill_ms": round(p.prefill_s * 1e3, 3),
+            "decode_ms": round(p.decode_s * 1e3, 3),
+        }
+        for lp in table.layouts
+        for p in lp.points
+    ]
