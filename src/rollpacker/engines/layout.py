@@ -71,8 +71,10 @@ def _replica_env(group: Sequence[str]) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(group)}
 
 
-def start_replica(cfg: EngineConfig, tp: int, group: Sequence[str]) -> Any:
-    """One vLLM engine of TP ``tp`` pinned to ``group``, its engine core in its own process."""
+def start_replica(cfg: EngineConfig, tp: int, group: Sequence[str], index: int = 0) -> Any:
+    """One vLLM engine of TP ``tp`` pinned to ``group``, its engine core in its own process.
+    Replica ``index`` samples with seed ``engine.seed + index``: replicas never draw the same
+    random stream."""
     from rollpacker.engines.vllm_engine import VLLMEngine
 
     env = _replica_env(group)
@@ -80,7 +82,10 @@ def start_replica(cfg: EngineConfig, tp: int, group: Sequence[str]) -> Any:
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            return VLLMEngine(dataclasses.replace(cfg, tensor_parallel_size=tp), in_process=False)
+            return VLLMEngine(
+                dataclasses.replace(cfg, tensor_parallel_size=tp, seed=cfg.seed + index),
+                in_process=False,
+            )
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -113,8 +118,8 @@ class LayoutEngine:
     def start(cls, cfg: EngineConfig, layout: Layout, devices: Sequence[str]) -> LayoutEngine:
         reps = []
         try:
-            for group in device_groups(layout, devices):
-                reps.append(start_replica(cfg, layout.tp, group))
+            for i, group in enumerate(device_groups(layout, devices)):
+                reps.append(start_replica(cfg, layout.tp, group, i))
         except BaseException:
             for r in reps:
                 r.close()
@@ -246,6 +251,28 @@ class EnginePool:
         except BaseException:
             self.close()
             raise
+
+    def warm(self) -> dict[str, float]:
+        """Run one short request through every replica of every layout: a fresh engine's first
+        steps pay one-off set-up (seconds on a CPU) that a layout switch must not."""
+        from rollpacker.core.types import Prompt, SamplingSpec
+
+        out = {}
+        for lay, eng in self.engines.items():
+            t0 = time.perf_counter()
+            for i in range(lay.dp * 2):
+                eng.add_request(
+                    GenerationRequest(
+                        f"warm/{lay.name}/{time.time_ns()}/{i}",
+                        Prompt("warm", tuple(range(1, 33))),
+                        0,
+                        SamplingSpec(max_tokens=8, ignore_eos=True),
+                    )
+                )
+            while eng.has_unfinished():
+                eng.step()
+            out[lay.name] = time.perf_counter() - t0
+        return out
 
     def __getitem__(self, layout: Layout) -> LayoutEngine:
         if layout not in self.engines:
@@ -384,9 +411,7 @@ class SwitchingEngine:
             out.append(dataclasses.replace(u, request_id=ext))
         if self._pending_recompute is not None and self.engine.all_started():
             t0, idx = self._pending_recompute
-            self.events[idx] = dataclasses.replace(
-                self.events[idx], recompute_s=time.perf_counter() - t0
-            )
+            self.events[idx] = dataclasses.replace(self.events[idx], recompute_s=time.perf_counter() - t0)
             self._pending_recompute = None
         if (
             self.enabled
@@ -488,5 +513,7 @@ class SwitchingEngine:
         self.events.append(ev)
         if live:
             self._pending_recompute = (time.perf_counter(), len(self.events) - 1)
-        log.info("layout switch %s -> %s: %d requests, %d context tokens", src.name, target.name, len(live), ctx)
+        log.info(
+            "layout switch %s -> %s: %d requests, %d context tokens", src.name, target.name, len(live), ctx
+        )
         return ev

@@ -35,7 +35,7 @@ from rollpacker.core.latency import (
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
 from rollpacker.engines.layout import EnginePool, LayoutEngine
 
-DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_CONTEXTS = (16, 64, 256, 768)
 
 
