@@ -318,6 +318,27 @@ class ExperimentTracker:
         doc = {"step": int(step), "round_kind": round_kind, "lengths": [int(x) for x in lengths]}
         self.client.log_text(run_id, json.dumps(doc), f"lengths/step-{int(step):06d}.json")
 
+    def log_profile(self, run_id: str, step: int, uri: str, doc: dict[str, Any]) -> None:
+        """Register a profile table with the arm's run: the table and its plot under
+        ``profiles/``, its store URI as a tag, its cost and prediction error as metrics."""
+        from mlflow.entities import RunTag
+
+        from rollpacker.core.latency import ProfileTable
+        from rollpacker.engines.profiler import plot_profile
+
+        name = f"profiles/profile-step-{int(step):06d}"
+        self.client.log_text(run_id, json.dumps(doc, indent=1), f"{name}.json")
+        table = ProfileTable.from_dict(doc["table"], uri)
+        with tempfile.TemporaryDirectory() as tmp:
+            png = Path(tmp) / f"profile-step-{int(step):06d}.png"
+            plot_profile(table, png)
+            self.client.log_artifact(run_id, str(png), "profiles")
+        metrics = {"profile/seconds": table.profile_seconds}
+        for lay, err in doc.get("validation", {}).items():
+            metrics[f"profile/error_{lay}"] = float(err["window_mape"])
+        self.log_step(run_id, step, metrics)
+        self.client.log_batch(run_id, tags=[RunTag("rollpacker.profile_uri", uri)])
+
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         """(step, value) sorted by step, newest value per step."""
         return _series(self.client.get_metric_history(run_id, key))

@@ -45,6 +45,7 @@ task: {{{{name: synthetic_math, num_examples: 200, val_size: 8}}}}
 model: {{{{preset: tiny, warmup_steps: 200}}}}
 rollout: {{{{prompts_per_step: 4, responses_per_prompt: 2, max_tokens: 64}}}}
 engine: {{{{max_num_seqs: 32, max_model_len: 200, kv_cache_gib: 1}}}}
+planner: {{{{profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}}}
 validation: {{{{every: 100, max_tokens: 32}}}}
 """
     cfg_path.write_text(body.format(steps=2))

@@ -14,6 +14,8 @@ Which prompts tail batching defers is timing-dependent, so the run is checked ag
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from collections import Counter
@@ -61,6 +63,7 @@ task: {{name: synthetic_math, num_examples: 300, val_size: 8}}
 model: {{preset: tiny, warmup_steps: 200}}
 rollout: {{prompts_per_step: 4, responses_per_prompt: 2, max_tokens: 96}}
 engine: {{max_num_seqs: 32, max_model_len: 256, kv_cache_gib: 1}}
+planner: {{profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}
 validation: {{every: 100, max_tokens: 64}}
 """
     )
@@ -127,7 +130,9 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
         # the TP plan's history grows by exactly this step, and the plan is its replay
         assert cur.tp_plan.round_kinds == (*prev.tp_plan.round_kinds, g["round_kind"])
         assert len(cur.tp_plan.preemption_history) == s + 1
-        planned = replay(cfg.planner, cur.tp_plan.history)
+        start = cur.tp_plan.initial_tp or cfg.planner.initial_tp
+        assert cur.tp_plan.initial_tp == prev.tp_plan.initial_tp or s == 0  # set by the first profile
+        planned = replay(dataclasses.replace(cfg.planner, initial_tp=start), cur.tp_plan.history)
         assert (cur.tp_plan.short_tp, cur.tp_plan.long_tp) == (
             planned.tp_for("short"),
             planned.tp_for("long"),

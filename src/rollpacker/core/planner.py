@@ -38,6 +38,17 @@ class PlannerConfig:
     min_tp: int = 1
     rise_factor: float = 1.05
     calm_steps: int = 4
+    # Engines in layouts (tp x dp over ``devices`` devices of one node; 0 = one engine of
+    # engine.tensor_parallel_size, no layouts): the round's TP picks its layout.
+    devices: int = 0
+    switching: bool = False  # PAT: switch layout inside a round when the predictor says it pays
+    check_every: int = 16  # engine steps between switch decisions
+    min_gain_s: float = 0.0  # a switch must beat staying by more than this
+    switch_overhead_s: float = 0.02  # fixed control cost of a switch, on top of the recompute
+    reprofile_margin: float = 0.25  # re-profile when a step's decode time drifts more than this
+    profile_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    profile_contexts: tuple[int, ...] = (16, 64, 256, 768)
+    profile_window: int = 16  # decode steps timed per profile point
 
     def __post_init__(self) -> None:
         for name in ("initial_tp", "max_tp", "min_tp"):
@@ -53,6 +64,21 @@ class PlannerConfig:
             raise ConfigError(f"planner.rise_factor = {self.rise_factor!r}: must be >= 1.0")
         if isinstance(self.calm_steps, bool) or self.calm_steps < 1:
             raise ConfigError(f"planner.calm_steps = {self.calm_steps!r}: must be >= 1")
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 0:
+            raise ConfigError(f"planner.devices = {self.devices!r}: a device count >= 0 (0 = no layouts)")
+        if self.devices and self.max_tp > self.devices:
+            raise ConfigError(
+                f"planner.max_tp = {self.max_tp} exceeds planner.devices = {self.devices}: a TP group "
+                "never spans more devices than one node has"
+            )
+        if self.check_every < 1 or self.profile_window < 2:
+            raise ConfigError("planner.check_every must be >= 1 and planner.profile_window >= 2")
+        if self.min_gain_s < 0 or self.switch_overhead_s < 0 or not self.reprofile_margin > 0:
+            raise ConfigError("planner.min_gain_s and switch_overhead_s must be >= 0, reprofile_margin > 0")
+        for name in ("profile_batches", "profile_contexts"):
+            v = getattr(self, name)
+            if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+                raise ConfigError(f"planner.{name} = {v!r}: a non-empty list of positive integers")
 
 
 @dataclass(frozen=True)

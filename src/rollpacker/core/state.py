@@ -37,6 +37,7 @@ class TPPlan:
     long_tp: int = 1
     preemption_history: tuple[int, ...] = ()  # KV-cache preemptions per committed step
     round_kinds: tuple[str, ...] = ()  # the round kind of each of those steps
+    initial_tp: int = 0  # where the replay starts: the profiled best TP (0 = planner.initial_tp)
 
     def __post_init__(self) -> None:
         if len(self.round_kinds) != len(self.preemption_history):
@@ -66,6 +67,7 @@ class ControllerState:
     checkpoint_uri: str = ""  # the policy the next step rolls out with
     policy_version: int = 0
     profile_uri: str = ""
+    profile_drift: float = 0.0  # last step: |predicted - measured| / measured decode time
     seed: int = 0
     trained_samples: int = 0
     trained_prompts: int = 0
@@ -105,7 +107,9 @@ class ControllerState:
                 long_tp=_int(tp, "long_tp", where),
                 preemption_history=tuple(int(x) for x in tp.get("preemption_history", ())),
                 round_kinds=tuple(str(x) for x in tp.get("round_kinds", ())),
+                initial_tp=int(tp.get("initial_tp", 0)),
             )
+            kw["profile_drift"] = float(data.get("profile_drift", 0.0))
 
             kw["long_queue"] = tuple(str(x) for x in _list(data, "long_queue", where))
             kw["partial_cache"] = tuple(dict(x) for x in _list(data, "partial_cache", where))

@@ -35,7 +35,14 @@ from typing import Any
 
 from rollpacker.core.config import EngineConfig
 from rollpacker.core.errors import EngineError
-from rollpacker.core.latency import Layout, Predictor, ReplicaLoad, SwitchDecision, choose_layout
+from rollpacker.core.latency import (
+    Layout,
+    Predictor,
+    ReplicaLoad,
+    SwitchDecision,
+    TrajectoryStep,
+    choose_layout,
+)
 from rollpacker.core.types import EngineStepStats, GenerationRequest, RequestUpdate
 
 log = logging.getLogger(__name__)
@@ -331,7 +338,7 @@ class SwitchingEngine:
     def __init__(
         self,
         pool: EnginePool,
-        predictor: Predictor,
+        predictor: Predictor | None,
         initial: Layout,
         check_every: int = 16,
         min_gain_s: float = 0.0,
@@ -351,6 +358,21 @@ class SwitchingEngine:
         self._steps = 0
         self.events: list[SwitchEvent] = []
         self._pending_recompute: tuple[float, int] | None = None  # (start, event index)
+        self.record = False
+        self.trajectory: list[tuple[Layout, TrajectoryStep]] = []  # decode steps, when recording
+
+    def set_layout(self, layout: Layout) -> None:
+        """Serve the next requests on ``layout`` (between rounds: nothing may be in flight)."""
+        if self._reqs:
+            raise EngineError(
+                f"set_layout({layout.name}) with {len(self._reqs)} requests in flight; "
+                "switch_to moves running requests"
+            )
+        self.pool[layout]
+        self.current = layout
+
+    def live_request_ids(self) -> list[str]:
+        return sorted(self._reqs)
 
     @property
     def engine(self) -> LayoutEngine:
@@ -395,7 +417,14 @@ class SwitchingEngine:
             self.engine.abort(internal)
 
     def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
-        ups, stats = self.engine.step()
+        eng, lay = self.engine, self.current
+        decoding = self.record and eng.all_started()
+        loads = eng.loads() if decoding else []
+        t0 = time.perf_counter()
+        ups, stats = eng.step()
+        if decoding and any(b for b, _ in loads):
+            steps = TrajectoryStep(tuple((b, float(t)) for b, t in loads), time.perf_counter() - t0)
+            self.trajectory.append((lay, steps))
         self._steps += 1
         out = []
         for u in ups:
@@ -415,6 +444,7 @@ class SwitchingEngine:
             self._pending_recompute = None
         if (
             self.enabled
+            and (self.predictor is not None or self._decide is not None)
             and self._reqs
             and self._pending_recompute is None
             and self._steps % self.check_every == 0
@@ -458,6 +488,7 @@ class SwitchingEngine:
         if self._decide is not None:
             d = self._decide(self.current, loads, bound)
         else:
+            assert self.predictor is not None
             d = choose_layout(
                 self.predictor,
                 self.current,

@@ -259,3 +259,31 @@ def table_rows(table: ProfileTable) -> list[dict[str, Any]]:
         for lp in table.layouts
         for p in lp.points
     ]
+
+
+def plot_profile(table: ProfileTable, path: Path | str) -> Path:
+    """Decode-step latency against context tokens, one line per batch size, one panel per layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(table.layouts)
+    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 4), squeeze=False, sharey=True)
+    for ax, lp in zip(axes[0], table.layouts, strict=True):
+        for b in sorted({p.batch for p in lp.points}):
+            pts = sorted((p.tokens, p.decode_s * 1e3) for p in lp.points if p.batch == b)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"B={b}")
+        ax.set_xscale("log")
+        ax.set_title(f"{lp.layout.name} (KV {lp.kv_capacity_tokens} tokens/replica)")
+        ax.set_xlabel("context tokens per replica (T)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode step (ms)")
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{table.model} on {table.hardware}")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

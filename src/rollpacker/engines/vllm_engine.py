@@ -267,6 +267,9 @@ class VLLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._engine.has_unfinished_requests())
 
+    def live_request_ids(self) -> list[str]:
+        return sorted(self._live)
+
     def num_preemptions(self) -> int:
         return self._collector.preemptions
 

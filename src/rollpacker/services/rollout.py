@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ class RolloutService(Service):
         self.model_dir: Path | None = None
         self._round_lock = threading.Lock()
         self._attempt = ""
+        self._pred: Any = None
+        self._pred_uri = ""
 
     # -- weights --------------------------------------------------------------------------------
     def sync(self, state_json: str) -> dict[str, Any]:
@@ -79,9 +82,8 @@ class RolloutService(Service):
             cfg = self.cfg
             import dataclasses
 
-            self.engine = VLLMEngine(
-                dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
-            )
+            ecfg = dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
+            self.engine = self._start_layouts(ecfg) if cfg.planner.devices else VLLMEngine(ecfg)
             started = True
         else:
             self.engine.load_weights(_read_safetensors(model_dir))
@@ -95,6 +97,85 @@ class RolloutService(Service):
             "seconds": time.perf_counter() - t0,
             "policy_version": self.policy_version,
         }
+
+    def _start_layouts(self, ecfg: Any) -> Any:
+        """The warm engines of every layout of ``planner.devices`` devices, behind a switching
+        engine (the round's TP picks the layout; PAT may switch inside the round)."""
+        from rollpacker.core.latency import Layout, layouts_for
+        from rollpacker.engines.layout import EnginePool, SwitchingEngine, node_devices
+
+        pc = self.cfg.planner
+        devices = node_devices()
+        if len(devices) < pc.devices:
+            raise RollpackerError(
+                f"planner.devices = {pc.devices} but this node offers {len(devices)} "
+                f"({','.join(devices)}); lower planner.devices"
+            )
+        pool = EnginePool(ecfg, layouts_for(pc.devices, pc.max_tp), devices[: pc.devices])
+        pool.warm()
+        initial = Layout(pc.initial_tp, pc.devices // pc.initial_tp)
+        return SwitchingEngine(
+            pool, None, initial, check_every=pc.check_every, min_gain_s=pc.min_gain_s, enabled=False
+        )
+
+    def _predictor(self, profile_uri: str) -> Any:
+        """The latency predictor of the state's profile (cached per URI), or None without one."""
+        from rollpacker.core.latency import Predictor, ProfileTable
+
+        if not profile_uri:
+            return None
+        if self._pred_uri != profile_uri:
+            doc = self.store().get_json(self.store().key_of(profile_uri))
+            table = ProfileTable.from_dict(doc.get("table", doc), profile_uri)
+            self._pred = Predictor(table, switch_overhead_s=self.cfg.planner.switch_overhead_s)
+            self._pred_uri = profile_uri
+        return self._pred
+
+    def _prepare_layout(self, state: ControllerState, round_kind: str) -> dict[str, float]:
+        """Put the round on the planned layout (short and long rounds keep their own TP)."""
+        from rollpacker.core.latency import Layout
+        from rollpacker.engines.layout import SwitchingEngine
+
+        eng = self.engine
+        if not isinstance(eng, SwitchingEngine):
+            return {}
+        pc = self.cfg.planner
+        tp = state.tp_plan.long_tp if round_kind == "long" else state.tp_plan.short_tp
+        tp = max(pc.min_tp, min(tp, pc.max_tp, pc.devices))
+        eng.set_layout(Layout(tp, pc.devices // tp))
+        eng.predictor = self._predictor(state.profile_uri)
+        eng.enabled = pc.switching and eng.predictor is not None
+        eng.events.clear()
+        eng.trajectory.clear()
+        eng.record = True
+        return {"rollout/tp": float(tp), "rollout/dp": float(pc.devices // tp)}
+
+    def _layout_metrics(self) -> dict[str, float]:
+        """Switches made in the round, and the predictor's view of its decode steps (the drift
+        that triggers a re-profile)."""
+        from rollpacker.core.latency import predict_step
+        from rollpacker.engines.layout import SwitchingEngine
+
+        eng = self.engine
+        if not isinstance(eng, SwitchingEngine):
+            return {}
+        eng.record = False
+        out = {
+            "rollout/switches": float(len(eng.events)),
+            "rollout/switch_s": sum(e.seconds for e in eng.events),
+            "rollout/tp_end": float(eng.current.tp),
+        }
+        if eng.predictor is not None and eng.trajectory:
+            pred = sum(predict_step(eng.predictor, lay, st) for lay, st in eng.trajectory)
+            meas = sum(st.seconds for _, st in eng.trajectory)
+            out.update(
+                {
+                    "planner/predicted_decode_s": pred,
+                    "planner/measured_decode_s": meas,
+                    "planner/drift": abs(pred - meas) / meas if meas > 0 else 0.0,
+                }
+            )
+        return out
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
@@ -176,6 +257,7 @@ class RolloutService(Service):
                 if self._attempt != attempt:
                     raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
 
+            layout_metrics = self._prepare_layout(state, plan.round_kind.value)
             try:
                 run = run_round(
                     self.engine,
@@ -208,11 +290,15 @@ class RolloutService(Service):
                 },
                 "next_cursor": asdict(cur),
                 "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
-                "metrics": m.logged(len(queue) if queue is not None else 0),
+                "metrics": {
+                    **m.logged(len(queue) if queue is not None else 0),
+                    **layout_metrics,
+                    **self._layout_metrics(),
+                },
             }
 
     def _drain_engine(self) -> None:
-        live = sorted(getattr(self.engine, "_live", ()))
+        live = self.engine.live_request_ids()
         if live:
             self.engine.abort(live)
         for _ in range(10_000):
@@ -248,41 +334,48 @@ class RolloutService(Service):
             "val/time_s": time.perf_counter() - t0,
         }
 
-    def profile(self, batch_sizes: Sequence[int] = (1, 8, 32), decode_tokens: int = 32) -> dict[str, Any]:
-        """Per-step decode latency of the served engine at a few batch sizes (the planner's input;
-        issue 6 widens this to a TP x batch x context grid)."""
+    def profile(self) -> dict[str, Any]:
+        """The profile table of the served engines (every layout, or the one engine) over the
+        planner's grid, and real decoding trajectories of validation prompts it is checked on."""
+        from rollpacker.core.latency import Layout, Predictor, trajectory_error
+        from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
+        from rollpacker.engines.profiler import ProfileSpec, profile_engines, record_trajectory
+
+        pc = self.cfg.planner
         with self._round_lock:
+            eng = self.engine
+            if isinstance(eng, SwitchingEngine):
+                pool = eng.pool
+            else:  # one engine: profile it as the single layout tp x 1
+                single = LayoutEngine(Layout(eng.tp_size, 1), [eng])
+                pool = EnginePool.__new__(EnginePool)
+                pool.cfg, pool.devices, pool.engines = eng.cfg, [], {single.layout: single}
+            spec = ProfileSpec(
+                layouts=pool.layouts,
+                batches=tuple(b for b in pc.profile_batches if b <= self.cfg.engine.max_num_seqs),
+                contexts=pc.profile_contexts,
+                window=pc.profile_window,
+                seed=self.cfg.seed,
+            )
+            table = profile_engines(pool.cfg, spec, pool=pool)
+            pred = Predictor(table, switch_overhead_s=pc.switch_overhead_s)
             data = self.data()
-            prompt = data.train_prompts[0]
-            rows = []
-            for b in batch_sizes:
-                sp = SamplingSpec(max_tokens=decode_tokens, temperature=1.0, ignore_eos=True)
+            v = self.cfg.validation
+            sp = SamplingSpec(max_tokens=self.cfg.rollout.max_tokens, temperature=v.temperature)
+            errors = {}
+            for lay in pool.layouts:
                 reqs = [
-                    GenerationRequest(
-                        request_id=f"profile/{self.arm}/{time.time_ns()}/b{b}/{j}",
-                        prompt=prompt,
-                        sample_index=j,
-                        sampling=sp,
-                    )
-                    for j in range(b)
+                    GenerationRequest(f"profile-check/{self.arm}/{time.time_ns()}/{i}", p, 0, sp)
+                    for i, p in enumerate(data.val_prompts[: min(64, len(data.val_prompts))])
                 ]
-                for r in reqs:
-                    self.engine.add_request(r)
-                durations = []
-                while self.engine.has_unfinished():
-                    _, st = self.engine.step()
-                    durations.append(st.duration_s)
-                steady = sorted(durations[2:]) or sorted(durations)
-                rows.append(
-                    {
-                        "tp": self.engine.tp_size,
-                        "batch": b,
-                        "context_tokens": len(prompt.token_ids) + decode_tokens // 2,
-                        "decode_step_s": steady[len(steady) // 2],
-                        "prefill_s": durations[0] if durations else 0.0,
-                    }
-                )
-        return {"rows": rows, "max_num_seqs": self.cfg.engine.max_num_seqs}
+                err = trajectory_error(pred, lay, record_trajectory(pool[lay], reqs), window=32)
+                errors[lay.name] = asdict(err)
+        prompts = data.train_prompts
+        return {
+            "table": json.loads(table.to_json()),
+            "validation": errors,
+            "prompt_tokens_mean": sum(len(p.token_ids) for p in prompts) / max(len(prompts), 1),
+        }
 
     def close(self) -> None:
         if self.engine is not None:

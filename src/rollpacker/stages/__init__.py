@@ -157,7 +157,10 @@ def plan(config: str, arm: str) -> PlanOutput:
         rollout = ctx.services.get("rollout")
         plan["sync"] = rollout.call("sync", state.to_json())
         plan.update(rollout.call("plan", state.to_json(), step))
-        need_profile = not state.profile_uri
+        # no profile yet, or the last step's decode time drifted from its prediction
+        need_profile = not state.profile_uri or state.profile_drift > ctx.cfg.planner.reprofile_margin
+        if state.profile_uri and need_profile:
+            plan["reprofile"] = f"drift {state.profile_drift:.2f} > {ctx.cfg.planner.reprofile_margin}"
         if state.step == -1:  # the starting point of the validation curve
             val = rollout.call("validate", 0, attempt)
             tracker.log_step(state.mlflow_run_id, 0, val)
@@ -174,10 +177,22 @@ def profile(config: str, plan: str) -> str:
     if p["skip"]:
         return _out({"skipped": True}, t0, t0_wall)
     ctx = _Ctx(config, p["arm"])
-    table = ctx.services.get("rollout").call("profile")
+    doc = ctx.services.get("rollout").call("profile")
     key = _profile_key(ctx, p["attempt"])
-    ctx.store.put_json(key, table)
-    return _out({"profile_uri": ctx.store.uri(key), "rows": len(table["rows"])}, t0, t0_wall)
+    uri = ctx.store.uri(key)
+    ctx.store.put_json(key, doc)
+    if p.get("run_id"):
+        ctx.tracker().log_profile(p["run_id"], p["step"] + 1, uri, doc)
+    errors = {k: v["window_mape"] for k, v in doc["validation"].items()}
+    return _out(
+        {
+            "profile_uri": uri,
+            "points": sum(len(x["points"]) for x in doc["table"]["layouts"]),
+            "error": errors,
+        },
+        t0,
+        t0_wall,
+    )
 
 
 def rollout(config: str, plan: str) -> str:
@@ -271,12 +286,20 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
         cursor_epoch=r["next_cursor"]["epoch"],
         cursor_position=r["next_cursor"]["position"],
         long_queue=tuple(r["next_queue"]),
-        tp_plan=_next_tp_plan(ctx, state.tp_plan, r["round_kind"], int(metrics["rollout/preemptions"])),
+        tp_plan=_next_tp_plan(
+            ctx,
+            state.tp_plan,
+            r["round_kind"],
+            int(metrics["rollout/preemptions"]),
+            _profiled_tp(ctx, prof) if prof else state.tp_plan.initial_tp,
+        ),
         timeout_anchors=rw.get("timeout_anchors") or state.timeout_anchors,
         length_history=tuple(list(hist.items())[-LENGTH_HISTORY_MAX:]),
         checkpoint_uri=tr["checkpoint_uri"],
         policy_version=tr["policy_version"],
         profile_uri=prof or state.profile_uri,
+        # a fresh profile was measured this step; otherwise how far this step's decode drifted
+        profile_drift=0.0 if prof else float(metrics.get("planner/drift", 0.0)),
         trained_samples=state.trained_samples + tr["samples"],
         trained_prompts=state.trained_prompts + len(r["trained"]),
     )
@@ -317,15 +340,34 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     return CommitOutput(json.dumps(summary), metrics)
 
 
-def _next_tp_plan(ctx: _Ctx, plan: TPPlan, round_kind: str, preemptions: int) -> TPPlan:
-    """The TP plan after this step: the planner's heuristic replayed over the whole history (the
-    engines follow it once the planner issue lands; until then it is recorded)."""
+def _next_tp_plan(ctx: _Ctx, plan: TPPlan, round_kind: str, preemptions: int, initial_tp: int = 0) -> TPPlan:
+    """The TP plan after this step: the planner's heuristic replayed over the whole history from
+    the profiled best TP (``initial_tp``; 0 = ``planner.initial_tp``). The rollout service puts
+    each round on the layout of its kind's TP."""
+    import dataclasses
+
     from rollpacker.core.planner import replay
 
     kinds = (*plan.round_kinds, round_kind)
     history = (*plan.preemption_history, preemptions)
-    planned = replay(ctx.cfg.planner, zip(kinds, history, strict=True))
-    return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds)
+    cfg = ctx.cfg.planner
+    if initial_tp:
+        cfg = dataclasses.replace(cfg, initial_tp=max(cfg.min_tp, min(initial_tp, cfg.max_tp)))
+    planned = replay(cfg, zip(kinds, history, strict=True))
+    return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds, initial_tp)
+
+
+def _profiled_tp(ctx: _Ctx, profile_uri: str) -> int:
+    """The TP of the profiled best layout for this arm's full short round: every launched
+    response of a step decoded from the task's typical prompt to the max response length."""
+    from rollpacker.core.latency import Predictor, ProfileTable, best_layout
+
+    doc = ctx.store.get_json(ctx.store.key_of(profile_uri))
+    pred = Predictor(ProfileTable.from_dict(doc["table"], profile_uri))
+    r = ctx.cfg.rollout
+    batch = r.launched_prompts * r.launched_responses
+    prompt = round(float(doc.get("prompt_tokens_mean", 64)))
+    return best_layout(pred, batch, prompt, r.max_tokens).tp
 
 
 def _profile_key(ctx: _Ctx, attempt: str) -> str:
