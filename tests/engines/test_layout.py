@@ -5,7 +5,9 @@ One pool (three engine processes: two TP-1 replicas, one TP-2 engine) serves eve
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +129,36 @@ def test_profile_and_trajectory_on_real_engines(pool) -> None:
     # the target (<= 10 %) is measured by `rollpacker profile` on a quiet machine; here only
     # that the prediction is in the right range, not off by a factor
     assert err.total_error < 0.6, err
+
+
+def test_weights_reach_every_engine_of_every_layout(pool) -> None:
+    """In-place weight loading into engine cores in other processes (through a safetensors file:
+    tensors do not survive vLLM's message queues), then back."""
+    from safetensors.torch import load_file
+
+    def greedy(tag: str) -> list[tuple[float, ...]]:
+        reqs = [
+            GenerationRequest(
+                f"{tag}/{lay.name}",
+                Prompt("w", (5, 6, 7, 8)),
+                0,
+                SamplingSpec(max_tokens=4, temperature=0.0, ignore_eos=True),
+            )
+            for lay in pool.layouts
+        ]
+        return [generate(pool[lay], [r])[0].logprobs for lay, r in zip(pool.layouts, reqs, strict=True)]
+
+    md = pool.cfg.model_dir
+    w = list(load_file(str(next(Path(md).glob("*.safetensors")))).items())
+    if not any(n == "lm_head.weight" for n, _ in w):
+        w.append(("lm_head.weight", dict(w)["model.embed_tokens.weight"]))
+    before = greedy("w0")
+    pool.load_weights(
+        [(n, t * 0 if n in ("model.embed_tokens.weight", "lm_head.weight") else t) for n, t in w]
+    )
+    flat = greedy("w1")
+    # zero embeddings and head: every token equally likely, on both layouts
+    assert all(lp == pytest.approx(-math.log(320), abs=1e-4) for lps in flat for lp in lps)
+    pool.load_weights(w)
+    after = greedy("w2")
+    assert [x for lps in after for x in lps] == pytest.approx([x for lps in before for x in lps], abs=1e-4)

@@ -63,3 +63,71 @@ validation: {{{{every: 100, max_tokens: 32}}}}
     states = StateStore(ObjectStore.from_config(cfg.store), cfg.experiment, "sync")
     assert states.history() == [-1, 0, 1, 2]
     assert states.latest().policy_version == 3  # type: ignore[union-attr]
+
+
+def test_layouts_follow_the_plan_and_the_profile_is_registered(
+    s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engines in layouts (TP 1 x DP 2 and TP 2 x DP 1 on two cores) with PAT switching on: the
+    first plan profiles both layouts, the profile lands in the store, the state and MLflow, the
+    plan starts from the profiled best TP, and each round reports its layout and the drift."""
+    import os
+
+    from mlflow.tracking import MlflowClient
+
+    from rollpacker.core.latency import ProfileTable
+    from rollpacker.loop.experiment import run_experiment
+    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.store.state_store import StateStore
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPU cores for the layouts")
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    db = tmp_path / "mlflow.db"
+    cfg_path = tmp_path / "layouts.yaml"
+    cfg_path.write_text(
+        f"""
+experiment: layouts
+steps: 2
+arms: [tail_batching]
+tracking_uri: sqlite:///{db}
+store: {{endpoint: "{s3.s3_endpoint}", bucket: {s3.bucket}}}
+task: {{name: synthetic_math, num_examples: 200, val_size: 8}}
+model: {{preset: tiny, warmup_steps: 200}}
+rollout: {{prompts_per_step: 4, responses_per_prompt: 2, max_tokens: 64}}
+engine: {{max_num_seqs: 32, max_model_len: 200, kv_cache_gib: 1}}
+planner: {{devices: 2, max_tp: 2, switching: true, check_every: 4,
+          profile_batches: [1, 4, 16], profile_contexts: [16, 64], profile_window: 4}}
+validation: {{every: 100, max_tokens: 32}}
+"""
+    )
+    out = run_experiment(cfg_path, runner="inline", start_services=False, echo=lambda s: None)
+    assert out.arms[0].committed_step == 1 and out.arms[0].failures == 0
+
+    from rollpacker.loop.runner import load_config
+
+    cfg = load_config(cfg_path)
+    store = ObjectStore.from_config(cfg.store)
+    state = StateStore(store, "layouts", "tail_batching").latest()
+    assert state is not None and state.profile_uri
+    doc = store.get_json(store.key_of(state.profile_uri))
+    table = ProfileTable.from_dict(doc["table"])
+    assert {lp.layout.name for lp in table.layouts} == {"tp1dp2", "tp2dp1"}
+    assert set(doc["validation"]) == {"tp1dp2", "tp2dp1"}
+    assert state.tp_plan.initial_tp in (1, 2)
+
+    client = MlflowClient(f"sqlite:///{db}")
+    run = client.search_runs(
+        [client.get_experiment_by_name("layouts").experiment_id], "tags.`rollpacker.arm` = 'tail_batching'"
+    )[0]
+    assert run.data.tags["rollpacker.profile_uri"] == state.profile_uri
+    names = {a.path for a in client.list_artifacts(run.info.run_id, "profiles")}
+    assert any(n.endswith(".json") for n in names) and any(n.endswith(".png") for n in names)
+    tp = [m.value for m in client.get_metric_history(run.info.run_id, "rollout/tp")]
+    assert len(tp) == 2 and all(v in (1.0, 2.0) for v in tp)
+    # the first round runs on the profiled best layout's TP
+    assert tp[0] == float(state.tp_plan.initial_tp)
+    drift = client.get_metric_history(run.info.run_id, "planner/drift")
+    assert len(drift) == 2 and all(m.value >= 0 for m in drift)
+    assert client.get_metric_history(run.info.run_id, "rollout/switches")

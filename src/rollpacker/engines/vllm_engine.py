@@ -129,6 +129,8 @@ class VLLMEngine:
         from vllm import EngineArgs, LLMEngine
 
         self._collector = _StatsCollector()
+        self._in_process = in_process
+        self._weights_dir: str | None = None
         args = EngineArgs(
             model=str(model_dir),
             dtype=cfg.dtype,
@@ -286,9 +288,27 @@ class VLLMEngine:
         # vLLM's in-place reload: it restores the layouts that kernels repacked after loading
         # (oneDNN on CPU, quantized layouts on GPU), loads checkpoint-format tensors, and
         # re-runs the post-load processing. A plain model.load_weights would hit repacked params.
-        self._engine.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
-        )
+        if self._in_process:
+            self._engine.collective_rpc(
+                "reload_weights",
+                kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True},
+            )
+        else:
+            # Tensors do not cross vLLM's engine-core / worker message queues intact (msgpack
+            # turns them into lists); the workers read them from a safetensors file instead.
+            # vLLM then points its model config at that directory: it stays until close().
+            import tempfile
+
+            from safetensors.torch import save_file
+
+            if self._weights_dir is None:
+                self._weights_dir = tempfile.mkdtemp(prefix="rollpacker-weights-")
+            tmp = Path(self._weights_dir) / "model.safetensors.tmp"
+            save_file({n: t.contiguous() for n, t in weights}, str(tmp))
+            tmp.replace(Path(self._weights_dir) / "model.safetensors")
+            self._engine.collective_rpc(
+                "reload_weights", kwargs={"weights_path": self._weights_dir, "is_checkpoint_format": True}
+            )
         # Cached KV / prefixes were computed with the old weights.
         self._engine.reset_prefix_cache()
 
@@ -305,6 +325,11 @@ class VLLMEngine:
         finally:
             self._engine = None
             self._live.clear()
+            if self._weights_dir is not None:
+                import shutil
+
+                shutil.rmtree(self._weights_dir, ignore_errors=True)
+                self._weights_dir = None
 
 
 def _fmt_gib(x: float) -> str:

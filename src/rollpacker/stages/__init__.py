@@ -209,7 +209,9 @@ def rollout(config: str, plan: str) -> str:
     for role in p["roles"]:
         begun[role] = ctx.services.get(role).call("begin", attempt, state.timeout_anchors)
     _fault("rollout", p["step"], delay_s=1.0)
-    summary = ctx.services.get("rollout").call("run_round", state.to_json(), p["step"], attempt)
+    summary = ctx.services.get("rollout").call(
+        "run_round", _with_fresh_profile(ctx, state, attempt).to_json(), p["step"], attempt
+    )
     summary["rollout_end_wall"] = time.time()
     summary["begin"] = begun
     return _out(summary, t0, t0_wall)
@@ -341,20 +343,38 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
 
 
 def _next_tp_plan(ctx: _Ctx, plan: TPPlan, round_kind: str, preemptions: int, initial_tp: int = 0) -> TPPlan:
-    """The TP plan after this step: the planner's heuristic replayed over the whole history from
-    the profiled best TP (``initial_tp``; 0 = ``planner.initial_tp``). The rollout service puts
-    each round on the layout of its kind's TP."""
+    """The TP plan after this step (the rollout service puts each round on its kind's layout)."""
+    return _replayed_plan(
+        ctx, (*plan.round_kinds, round_kind), (*plan.preemption_history, preemptions), initial_tp
+    )
+
+
+def _replayed_plan(ctx: _Ctx, kinds: tuple[str, ...], history: tuple[int, ...], initial_tp: int) -> TPPlan:
+    """The planner's heuristic replayed over the whole history from the profiled best TP
+    (``initial_tp``; 0 = ``planner.initial_tp``)."""
     import dataclasses
 
     from rollpacker.core.planner import replay
 
-    kinds = (*plan.round_kinds, round_kind)
-    history = (*plan.preemption_history, preemptions)
     cfg = ctx.cfg.planner
     if initial_tp:
         cfg = dataclasses.replace(cfg, initial_tp=max(cfg.min_tp, min(initial_tp, cfg.max_tp)))
     planned = replay(cfg, zip(kinds, history, strict=True))
     return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds, initial_tp)
+
+
+def _with_fresh_profile(ctx: _Ctx, state: ControllerState, attempt: str) -> ControllerState:
+    """The state the round runs on: if this attempt just profiled, its profile and the TP plan
+    replayed from the profiled best TP (what the commit will record), not the stale ones."""
+    import dataclasses
+
+    key = _profile_key(ctx, attempt)
+    if not ctx.store.exists(key):
+        return state
+    uri = ctx.store.uri(key)
+    plan = state.tp_plan
+    fresh = _replayed_plan(ctx, plan.round_kinds, plan.preemption_history, _profiled_tp(ctx, uri))
+    return dataclasses.replace(state, profile_uri=uri, tp_plan=fresh)
 
 
 def _profiled_tp(ctx: _Ctx, profile_uri: str) -> int:
