@@ -9,6 +9,8 @@ rollpacker bench learning --config configs/default.yaml    # sync vs tail batchi
 rollpacker bench reward                                    # adaptive vs fixed sandbox timeouts
 rollpacker sandbox run --code a.py --tests t.py --json     # a program and its tests in the jail
 rollpacker up / rollpacker down                            # local S3 store, MLflow server, Ray head
+rollpacker profile --config configs/experiment.yaml        # layouts x batch x context latency table
+rollpacker bench planner --profile build/profile.json      # fixed layouts vs planner vs PAT switching
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ def bench_rollout(
     """
     from rollpacker.bench.replay import BenchConfig, render_table, run_benchmark, write_report
     from rollpacker.core.config import RolloutConfig
-    from rollpacker.core.trace import PRESETS, generate, parse_lines
 
     try:
         rc = RolloutConfig(
@@ -90,16 +91,7 @@ def bench_rollout(
             max_tokens=max_tokens,
         )
         cfg = BenchConfig(rollout=rc, periods=periods, seed=seed)
-        if trace is not None:
-            if not trace.is_file():
-                raise RollpackerError(f"trace file {trace} does not exist")
-            records = parse_lines(trace.read_text().splitlines(), source=str(trace))
-            source = str(trace)
-        else:
-            if preset not in PRESETS:
-                raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
-            records = generate(PRESETS[preset], seed=seed)
-            source = f"preset:{preset}"
+        records, source = _load_records(trace, preset, seed)
         longest_prompt = max(r.prompt_len for r in records)
         eng = _make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
         try:
@@ -121,6 +113,19 @@ def bench_rollout(
     if out is not None:
         write_report(report, out)
         typer.echo(f"\nwrote {out}")
+
+
+def _load_records(trace: Path | None, preset: str, seed: int):  # type: ignore[no-untyped-def]
+    """A trace file, or a preset's seeded trace; and where it came from."""
+    from rollpacker.core.trace import PRESETS, generate, parse_lines
+
+    if trace is not None:
+        if not trace.is_file():
+            raise RollpackerError(f"trace file {trace} does not exist")
+        return parse_lines(trace.read_text().splitlines(), source=str(trace)), str(trace)
+    if preset not in PRESETS:
+        raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
+    return generate(PRESETS[preset], seed=seed), f"preset:{preset}"
 
 
 def _progress():  # type: ignore[no-untyped-def]
@@ -357,6 +362,207 @@ def bench_reward(
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+
+
+def _layout_pool(cfg, layouts: str, progress):  # type: ignore[no-untyped-def]
+    """The warm engines of the requested layouts for the config's model (cached warm-up)."""
+    import dataclasses
+
+    from rollpacker.core.latency import Layout, layouts_for
+    from rollpacker.engines.layout import EnginePool, node_devices
+    from rollpacker.loop.runner import prepare_model
+
+    pc = cfg.planner
+    devices = node_devices()
+    n = pc.devices or min(len(devices), pc.max_tp)
+    if layouts:
+        try:
+            lays = tuple(
+                Layout(int(x.split("dp")[0].removeprefix("tp")), int(x.split("dp")[1]))
+                for x in layouts.split(",")
+            )
+        except (ValueError, IndexError):
+            raise typer.BadParameter(f"--layouts {layouts!r}: use names like tp1dp2,tp2dp1") from None
+        n = max(lay.devices for lay in lays)
+    else:
+        lays = layouts_for(n, pc.max_tp)
+    if n > len(devices):
+        raise RollpackerError(f"the layouts need {n} devices; this machine offers {len(devices)}")
+    model = prepare_model(cfg)
+    ecfg = dataclasses.replace(cfg.engine, model_dir=str(model))
+    progress(f"starting {', '.join(lay.name for lay in lays)} on devices {','.join(devices[:n])}")
+    pool = EnginePool(
+        ecfg, lays, devices[:n], on_start=lambda lay, s: progress(f"{lay.name} up in {s:.1f} s")
+    )
+    pool.warm()
+    return pool
+
+
+def _profile_spec(cfg, pool):  # type: ignore[no-untyped-def]
+    from rollpacker.engines.profiler import ProfileSpec
+
+    pc = cfg.planner
+    return ProfileSpec(
+        layouts=pool.layouts,
+        batches=tuple(b for b in pc.profile_batches if b <= cfg.engine.max_num_seqs),
+        contexts=pc.profile_contexts,
+        window=pc.profile_window,
+        seed=cfg.seed,
+    )
+
+
+def _held_out(cfg, model_dir: str, n: int):  # type: ignore[no-untyped-def]
+    from rollpacker.services.base import task_data
+
+    t = cfg.task
+    data = task_data(t.name, t.seed, t.num_examples, t.val_size, model_dir)
+    return data.val_prompts[:n]
+
+
+@app.command("profile")
+def profile_cmd(
+    config: Annotated[Path, typer.Option(help="Experiment YAML: model, engine, planner grid, task.")] = Path(
+        "configs/experiment.yaml"
+    ),
+    layouts: Annotated[
+        str, typer.Option(help="Layouts to profile, e.g. tp1dp2,tp2dp1 (default: every TP of the node).")
+    ] = "",
+    held_out: Annotated[int, typer.Option(help="Held-out validation prompts decoded per layout.")] = 64,
+    out: Annotated[Path, typer.Option(help="Profile JSON (the table and its validation).")] = Path(
+        "build/profile.json"
+    ),
+) -> None:
+    """Profile each parallel layout (PAT's method: random prefixes of L tokens for B requests per
+    replica, prefill timed, then a short decode window) over the planner's batch x context grid,
+    then check the latency predictor on real decoding trajectories of held-out prompts. Writes the
+    table as JSON and a plot next to it (docs/parallelism.md)."""
+    from rollpacker.bench.planner import profile_and_check
+    from rollpacker.core.latency import ProfileTable
+    from rollpacker.engines.profiler import plot_profile, table_rows
+    from rollpacker.loop.runner import load_config
+
+    t0 = __import__("time").perf_counter()
+    try:
+        cfg = load_config(config)
+        pool = _layout_pool(cfg, layouts, typer.echo)
+        try:
+            doc = profile_and_check(
+                pool,
+                _profile_spec(cfg, pool),
+                _held_out(cfg, pool.cfg.model_dir, held_out),
+                cfg.rollout.max_tokens,
+                cfg.validation.temperature,
+                progress=typer.echo,
+            )
+        finally:
+            pool.close()
+    except RollpackerError as e:
+        _fail(e)
+        return
+    doc["total_seconds"] = __import__("time").perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1))
+    table = ProfileTable.from_dict(doc["table"], str(out))
+    png = plot_profile(table, out.with_suffix(".png"))
+    typer.echo("")
+    typer.echo(f"{'layout':<8} {'B':>4} {'L':>5} {'T':>8} {'prefill ms':>11} {'decode ms':>10}")
+    for r in table_rows(table):
+        typer.echo(
+            f"{r['layout']:<8} {r['batch']:>4} {r['context']:>5} {r['tokens']:>8.0f} "
+            f"{r['prefill_ms']:>11.1f} {r['decode_ms']:>10.2f}"
+        )
+    for lay, e in doc["validation"].items():
+        typer.echo(
+            f"{lay}: predicted vs measured decode on held-out trajectories: {e['window_mape']:.1%} "
+            f"mean error per window ({e['steps']} steps), {e['total_error']:.1%} over the whole run"
+        )
+    typer.echo(f"profiled in {doc['seconds']:.0f} s ({doc['total_seconds']:.0f} s with engine start-up)")
+    typer.echo(f"wrote {out} and {png}")
+
+
+@bench_app.command("planner")
+def bench_planner(
+    profile: Annotated[
+        Path | None, typer.Option(help="Profile JSON from `rollpacker profile` (default: profile now).")
+    ] = None,
+    config: Annotated[Path, typer.Option(help="Experiment YAML (model, engine, planner).")] = Path(
+        "configs/experiment.yaml"
+    ),
+    preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
+    trace: Annotated[Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.")] = None,
+    steps: Annotated[int, typer.Option(help="Tail-batching steps simulated per mode.")] = 12,
+    real_steps: Annotated[int, typer.Option(help="Steps run on the real engines per mode (0: none).")] = 4,
+    p0: Annotated[int, typer.Option("--p0", help="P0: prompts trained per step.")] = 16,
+    r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Max response length.")] = 1024,
+    check_every: Annotated[int, typer.Option(help="Engine steps between switch decisions.")] = 16,
+    constrained_kv: Annotated[
+        int, typer.Option(help="KV tokens of a TP-1 replica in the memory-constrained scenario.")
+    ] = 3_000,
+    weights_share: Annotated[
+        float, typer.Option(help="Share of a device the weights take at TP 1 (constrained scenario).")
+    ] = 0.5,
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-planner.json"),
+) -> None:
+    """Fixed layouts vs the per-step planner (RollPacker) vs in-step switching (PAT) on the replay
+    trace, in one run: simulated on the profile's predictor (measured and KV-constrained memory)
+    and, with --real-steps, on this machine's real vLLM engines. Prints the table, writes JSON."""
+    import dataclasses
+
+    from rollpacker.bench.planner import PlannerBenchConfig, profile_and_check, render, run_planner_bench
+    from rollpacker.core.config import RolloutConfig
+    from rollpacker.core.latency import ProfileTable
+    from rollpacker.loop.runner import load_config
+
+    try:
+        cfg = load_config(config)
+        cfg = dataclasses.replace(
+            cfg,
+            engine=dataclasses.replace(
+                cfg.engine, max_model_len=max(cfg.engine.max_model_len, max_tokens + 160)
+            ),
+        )
+        records, source = _load_records(trace, preset, cfg.seed)
+        pool = None
+        if profile is None or real_steps > 0:
+            pool = _layout_pool(cfg, "", typer.echo)
+        try:
+            if profile is None:
+                assert pool is not None
+                doc = profile_and_check(
+                    pool,
+                    _profile_spec(cfg, pool),
+                    _held_out(cfg, pool.cfg.model_dir, 64),
+                    cfg.rollout.max_tokens,
+                    progress=typer.echo,
+                )
+                table = ProfileTable.from_dict(doc["table"], "profile")
+            else:
+                doc = json.loads(profile.read_text())
+                table = ProfileTable.from_dict(doc.get("table", doc), str(profile))
+            bcfg = PlannerBenchConfig(
+                rollout=RolloutConfig(prompts_per_step=p0, responses_per_prompt=r0, max_tokens=max_tokens),
+                max_num_seqs=cfg.engine.max_num_seqs,
+                steps=steps,
+                real_steps=real_steps,
+                check_every=check_every,
+                switch_overhead_s=cfg.planner.switch_overhead_s,
+                constrained_kv_tokens=constrained_kv,
+                weights_share=weights_share,
+                seed=cfg.seed,
+            )
+            report = run_planner_bench(table, records, bcfg, source, real_pool=pool, progress=typer.echo)
+        finally:
+            if pool is not None:
+                pool.close()
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    typer.echo("")
     typer.echo(render(report))
     typer.echo(f"wrote {out}")
 

@@ -3,6 +3,7 @@ profiles whose trade-off is known."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -168,7 +169,7 @@ def test_redistribute_keeps_every_request_and_balances_counts() -> None:
     for dp in (1, 2, 3):
         parts = redistribute(loads, dp)
         assert len(parts) == dp
-        got = sorted(p for ld in parts for p in zip(ld.contexts, ld.generated))
+        got = sorted(p for ld in parts for p in zip(ld.contexts, ld.generated, strict=True))
         assert got == sorted([(5, 1), (6, 2), (7, 3), (8, 4)])
         sizes = [len(ld.contexts) for ld in parts]
         assert max(sizes) - min(sizes) <= 1
@@ -234,7 +235,9 @@ def test_best_layout_is_the_least_predicted_time_for_a_full_batch() -> None:
 
 def test_trajectory_error_compares_windows_and_steps() -> None:
     pr = Predictor(synthetic())
-    steps = [TrajectoryStep(((4, 4 * 136.0), (4, 4 * 136.0)), pr.decode_step_s(A, 4, 4 * 136)) for _ in range(32)]
+    steps = [
+        TrajectoryStep(((4, 4 * 136.0), (4, 4 * 136.0)), pr.decode_step_s(A, 4, 4 * 136)) for _ in range(32)
+    ]
     e = trajectory_error(pr, A, steps, window=16)
     assert e.windows == 2 and e.window_mape == pytest.approx(0.0) and e.total_error == pytest.approx(0.0)
     slow = [TrajectoryStep(s.loads, s.seconds * 1.25) for s in steps]
@@ -242,3 +245,14 @@ def test_trajectory_error_compares_windows_and_steps() -> None:
     assert e.window_mape == pytest.approx(0.2) and e.step_mape == pytest.approx(0.2)
     with pytest.raises(ProfileError):
         trajectory_error(pr, A, [])
+
+
+def test_algorithm1_never_moves_requests_onto_a_layout_that_cannot_hold_them() -> None:
+    t = synthetic()
+    small_b = dataclasses.replace(
+        t, layouts=(t.layouts[0], dataclasses.replace(t.layouts[1], kv_capacity_tokens=500))
+    )
+    tail = [ReplicaLoad((600,), (100,)), ReplicaLoad((), ())]
+    assert choose_layout(Predictor(t), A, tail, 512).target == B
+    d = choose_layout(Predictor(small_b), A, tail, 512)
+    assert not d.switch and "tp2dp1" not in dict(d.per_layout_s)

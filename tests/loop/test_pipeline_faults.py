@@ -15,7 +15,6 @@ Which prompts tail batching defers is timing-dependent, so the run is checked ag
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 from collections import Counter

@@ -32,7 +32,8 @@ switch cost, taken only when that beats staying.
 Invariants (tests/core/test_latency.py):
 - on a profiled point the predictor returns the measured value;
 - predictions are monotone in T along a batch size whose profile is monotone;
-- ``choose_layout`` never switches when no candidate beats the current layout's remaining time;
+- ``choose_layout`` never switches when no candidate beats the current layout's remaining time,
+  nor onto a layout whose replicas could not hold the requests' KV up to the bound;
 - the table round-trips through JSON and every parse error names the field.
 """
 
@@ -265,6 +266,10 @@ class Predictor:
     def candidates(self) -> tuple[Layout, ...]:
         return self.table.candidates
 
+    def kv_capacity(self, layout: Layout) -> int:
+        """KV tokens one replica of ``layout`` holds (profiled)."""
+        return self.table.layout(layout).kv_capacity_tokens
+
     # -- per step ------------------------------------------------------------------------------
     def decode_step_s(self, layout: Layout, batch: int, tokens: float) -> float:
         """One decode step of a replica holding ``batch`` requests with ``tokens`` context."""
@@ -409,8 +414,19 @@ def choose_layout(
             t = t_cur
             sw = 0.0
         else:
+            parts = redistribute(loads, lay.dp)
+            # the KV the requests need by the bound (the same conservative bound as the time)
+            need = max(
+                (
+                    sum(c + max(max_len - g, 0) for c, g in zip(p.contexts, p.generated, strict=True))
+                    for p in parts
+                ),
+                default=0,
+            )
+            if need > predictor.kv_capacity(lay):
+                continue  # its replicas could not hold the requests: it would preempt them
             sw = predictor.switch_s(current, lay, lengths)
-            t = predictor.remaining_s(lay, redistribute(loads, lay.dp), max_len) + sw
+            t = predictor.remaining_s(lay, parts, max_len) + sw
         rows.append((lay.name, t))
         if t < t_best:
             best, t_best, t_switch = lay, t, sw

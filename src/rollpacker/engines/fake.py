@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ class FakeEngine:
         eos_token_id: int = 0,
         stop_prob: float = 1 / 64,
         tp_size: int = 1,
+        step_time: Callable[[int, int, Sequence[int]], float] | None = None,
     ) -> None:
         if concurrency < 1:
             raise EngineError(f"FakeEngine concurrency must be >= 1, got {concurrency}")
@@ -64,6 +65,9 @@ class FakeEngine:
         self._eos = eos_token_id
         self._stop_prob = stop_prob
         self._tp = tp_size
+        # (running batch, its context tokens, contexts (re)computed this step) -> step seconds;
+        # None = the linear model base_s + per_seq_s * batch (no prefill cost)
+        self._step_time = step_time
         self._clock = 0.0
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
@@ -130,13 +134,19 @@ class FakeEngine:
     def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
         start = self._clock
         # Admit waiting requests up to the concurrency limit, then preempt while KV overflows.
+        admitted: list[_Req] = []
         while self._waiting and len(self._running) < self._q:
-            self._running.append(self._waiting.popleft())
+            admitted.append(self._waiting.popleft())
+            self._running.append(admitted[-1])
         while len(self._running) > 1 and sum(len(r.context) + 1 for r in self._running) > self._kv_cap:
             victim = self._running.pop()
+            if victim in admitted:
+                admitted.remove(victim)
             self._waiting.appendleft(victim)
             self._preemptions += 1
         batch = list(self._running)
+        prefill = [len(r.context) for r in admitted]
+        tokens = sum(len(r.context) for r in batch)
         updates: list[RequestUpdate] = []
         for r in batch:
             tok, lp = self._sample(r)
@@ -158,7 +168,10 @@ class FakeEngine:
             )
             if reason is not None:
                 self._running.remove(r)
-        duration = self._base_s + self._per_seq_s * len(batch) if batch else self._base_s
+        if self._step_time is not None:
+            duration = self._step_time(len(batch), tokens, prefill)
+        else:
+            duration = self._base_s + self._per_seq_s * len(batch) if batch else self._base_s
         self._clock += duration
         stats = EngineStepStats(
             start_s=start,

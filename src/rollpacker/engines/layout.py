@@ -113,10 +113,14 @@ class _Held:
 class LayoutEngine:
     """``dp`` replicas of TP ``tp`` behind the rollout engine port."""
 
-    def __init__(self, layout: Layout, replicas: Sequence[Any]) -> None:
+    def __init__(self, layout: Layout, replicas: Sequence[Any], virtual: bool = False) -> None:
+        """``virtual``: the replicas are simulated (``FakeEngine``); a step lasts as long as the
+        slowest replica's step, on a virtual clock."""
         if len(replicas) != layout.dp:
             raise EngineError(f"layout {layout.name} needs {layout.dp} replicas, got {len(replicas)}")
         self.layout = layout
+        self.virtual = virtual
+        self._clock = 0.0
         self.replicas = list(replicas)
         self._held: dict[str, _Held] = {}
         self.startup_s = sum(getattr(r, "startup_s", 0.0) for r in replicas)
@@ -151,7 +155,7 @@ class LayoutEngine:
         return int(self.replicas[0].eos_token_id)
 
     def now(self) -> float:
-        return time.perf_counter()
+        return self._clock if self.virtual else time.perf_counter()
 
     def add_request(self, request: GenerationRequest) -> None:
         counts = [0] * len(self.replicas)
@@ -192,6 +196,10 @@ class LayoutEngine:
             if u.finished:
                 del self._held[u.request_id]
         dur = time.perf_counter() - start
+        if self.virtual:
+            start = self._clock
+            dur = max((s.duration_s for s in stats), default=0.0)
+            self._clock += dur
         return updates, EngineStepStats(
             start_s=start,
             duration_s=dur,
@@ -258,6 +266,15 @@ class EnginePool:
         except BaseException:
             self.close()
             raise
+
+    @classmethod
+    def of(cls, engines: dict[Layout, LayoutEngine], cfg: EngineConfig | None = None) -> EnginePool:
+        """A pool of engines built elsewhere (one already-running engine, simulated replicas)."""
+        pool = cls.__new__(cls)
+        pool.cfg = cfg if cfg is not None else EngineConfig()
+        pool.devices = []
+        pool.engines = dict(engines)
+        return pool
 
     def warm(self) -> dict[str, float]:
         """Run one short request through every replica of every layout: a fresh engine's first
@@ -360,6 +377,13 @@ class SwitchingEngine:
         self._pending_recompute: tuple[float, int] | None = None  # (start, event index)
         self.record = False
         self.trajectory: list[tuple[Layout, TrajectoryStep]] = []  # decode steps, when recording
+        # simulated pools (the planner benchmark) run on a virtual clock: engine step times plus
+        # the predictor's fixed switch overhead; recompute is charged by the engines themselves
+        self.virtual = all(e.virtual for e in pool.engines.values()) and bool(pool.engines)
+        self._clock = 0.0
+
+    def _t(self) -> float:
+        return self._clock if self.virtual else time.perf_counter()
 
     def set_layout(self, layout: Layout) -> None:
         """Serve the next requests on ``layout`` (between rounds: nothing may be in flight)."""
@@ -396,7 +420,7 @@ class SwitchingEngine:
         return self.engine.eos_token_id
 
     def now(self) -> float:
-        return time.perf_counter()
+        return self._t()
 
     def add_request(self, request: GenerationRequest) -> None:
         rid = request.request_id
@@ -422,9 +446,11 @@ class SwitchingEngine:
         loads = eng.loads() if decoding else []
         t0 = time.perf_counter()
         ups, stats = eng.step()
+        dt = stats.duration_s if self.virtual else time.perf_counter() - t0
+        if self.virtual:
+            self._clock += stats.duration_s
         if decoding and any(b for b, _ in loads):
-            steps = TrajectoryStep(tuple((b, float(t)) for b, t in loads), time.perf_counter() - t0)
-            self.trajectory.append((lay, steps))
+            self.trajectory.append((lay, TrajectoryStep(tuple((b, float(t)) for b, t in loads), dt)))
         self._steps += 1
         out = []
         for u in ups:
@@ -504,7 +530,7 @@ class SwitchingEngine:
         """Move every unfinished request to ``target`` by recompute migration."""
         src = self.current
         dst_engine = self.pool[target]
-        t0 = time.perf_counter()
+        w0 = time.perf_counter()
         live = list(self._reqs.values())
         self.engine.abort([r.internal_id for r in live])
         ctx = 0
@@ -527,7 +553,10 @@ class SwitchingEngine:
             r.internal_id = new_id
             self._by_internal[new_id] = o.request_id
             ctx += len(cont.engine_input_ids)
-        control = time.perf_counter() - t0
+        control = time.perf_counter() - w0
+        if self.virtual and self.predictor is not None:
+            control = self.predictor.switch_overhead_s
+            self._clock += control
         self.current = target
         ev = SwitchEvent(
             at_step=self._steps,
@@ -543,7 +572,7 @@ class SwitchingEngine:
         )
         self.events.append(ev)
         if live:
-            self._pending_recompute = (time.perf_counter(), len(self.events) - 1)
+            self._pending_recompute = (self._t(), len(self.events) - 1)
         log.info(
             "layout switch %s -> %s: %d requests, %d context tokens", src.name, target.name, len(live), ctx
         )

@@ -16,7 +16,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import json
 import threading
 import time
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
-from rollpacker.core.types import Completion, GenerationRequest, Group, SamplingSpec
+from rollpacker.core.types import Completion, Group, SamplingSpec
 from rollpacker.services.base import Service, TaskData, task_data
 
 
@@ -337,9 +336,10 @@ class RolloutService(Service):
     def profile(self) -> dict[str, Any]:
         """The profile table of the served engines (every layout, or the one engine) over the
         planner's grid, and real decoding trajectories of validation prompts it is checked on."""
-        from rollpacker.core.latency import Layout, Predictor, trajectory_error
+        from rollpacker.bench.planner import profile_and_check
+        from rollpacker.core.latency import Layout
         from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
-        from rollpacker.engines.profiler import ProfileSpec, profile_engines, record_trajectory
+        from rollpacker.engines.profiler import ProfileSpec
 
         pc = self.cfg.planner
         with self._round_lock:
@@ -348,8 +348,7 @@ class RolloutService(Service):
                 pool = eng.pool
             else:  # one engine: profile it as the single layout tp x 1
                 single = LayoutEngine(Layout(eng.tp_size, 1), [eng])
-                pool = EnginePool.__new__(EnginePool)
-                pool.cfg, pool.devices, pool.engines = eng.cfg, [], {single.layout: single}
+                pool = EnginePool.of({single.layout: single}, eng.cfg)
             spec = ProfileSpec(
                 layouts=pool.layouts,
                 batches=tuple(b for b in pc.profile_batches if b <= self.cfg.engine.max_num_seqs),
@@ -357,25 +356,14 @@ class RolloutService(Service):
                 window=pc.profile_window,
                 seed=self.cfg.seed,
             )
-            table = profile_engines(pool.cfg, spec, pool=pool)
-            pred = Predictor(table, switch_overhead_s=pc.switch_overhead_s)
             data = self.data()
-            v = self.cfg.validation
-            sp = SamplingSpec(max_tokens=self.cfg.rollout.max_tokens, temperature=v.temperature)
-            errors = {}
-            for lay in pool.layouts:
-                reqs = [
-                    GenerationRequest(f"profile-check/{self.arm}/{time.time_ns()}/{i}", p, 0, sp)
-                    for i, p in enumerate(data.val_prompts[: min(64, len(data.val_prompts))])
-                ]
-                err = trajectory_error(pred, lay, record_trajectory(pool[lay], reqs), window=32)
-                errors[lay.name] = asdict(err)
-        prompts = data.train_prompts
-        return {
-            "table": json.loads(table.to_json()),
-            "validation": errors,
-            "prompt_tokens_mean": sum(len(p.token_ids) for p in prompts) / max(len(prompts), 1),
-        }
+            return profile_and_check(
+                pool,
+                spec,
+                data.val_prompts[: min(64, len(data.val_prompts))],
+                self.cfg.rollout.max_tokens,
+                self.cfg.validation.temperature,
+            )
 
     def close(self) -> None:
         if self.engine is not None:

@@ -1,0 +1,373 @@
+"""The planner benchmark: fixed layouts vs the per-step planner vs in-step switching (PAT), in one
+run, on the replay trace.
+
+Two parts, both driving the real tail-batching policy, the real round driver and the real
+``SwitchingEngine`` / ``LayoutEngine`` code:
+
+- **simulated** (always): every replica is a ``FakeEngine`` whose step time is the latency
+  predictor's (``rollpacker.core.latency``) for the measured profile, prefill and recompute
+  included, on a virtual clock. Two KV scenarios: the profile's measured KV capacity, and a
+  memory-constrained node where the model's weights take a share of each device, so a larger TP
+  frees KV (RollPacker's reason for raising TP when preemptions rise).
+- **real** (``real_steps > 0``): the same trace steps on the warm vLLM engines of each layout on
+  this machine (TP 1 x DP 2 and TP 2 x DP 1 on two cores here), wall-clock timed.
+
+Plus the predictor's view of the trade-off (remaining time of a tail on each layout, and the
+switch cost), which says in numbers why a switch does or does not pay on this hardware.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rollpacker.core import planner as plan_mod
+from rollpacker.core.config import PolicyName, RolloutConfig
+from rollpacker.core.errors import ConfigError
+from rollpacker.core.latency import (
+    Layout,
+    Predictor,
+    ProfileTable,
+    ReplicaLoad,
+    best_layout,
+    redistribute,
+)
+from rollpacker.core.policies.tail_batching import TailBatchingPolicy
+from rollpacker.core.prompts import PromptCursor
+from rollpacker.core.trace import TraceRecord, check_serves, to_prompts
+from rollpacker.engines.fake import FakeEngine
+from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
+from rollpacker.rollout.driver import run_round
+
+
+@dataclass(frozen=True)
+class PlannerBenchConfig:
+    rollout: RolloutConfig
+    max_num_seqs: int = 128  # per replica
+    steps: int = 12
+    real_steps: int = 4
+    check_every: int = 16
+    switch_overhead_s: float = 0.02
+    # the constrained scenario: KV tokens one TP-1 replica holds, and the share of a device the
+    # weights take at TP 1 (at TP t they take 1/t of it; the rest is KV)
+    constrained_kv_tokens: int = 3_000
+    weights_share: float = 0.5
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.real_steps < 0 or self.check_every < 1:
+            raise ConfigError("bench planner: steps >= 1, real_steps >= 0, check_every >= 1")
+        if not 0.0 <= self.weights_share < 1.0:
+            raise ConfigError(f"bench planner: weights_share = {self.weights_share}: must be in [0, 1)")
+
+
+def kv_capacity(lay: Layout, tp1_tokens: int, weights_share: float) -> int:
+    """KV tokens of one replica of ``lay`` when a TP-1 replica holds ``tp1_tokens``: each device
+    keeps ``1 - w/tp`` of its memory for KV, and a token's KV is split over the ``tp`` ranks."""
+    per_device = tp1_tokens * (1.0 - weights_share / lay.tp) / (1.0 - weights_share)
+    return int(lay.tp * per_device)
+
+
+def simulated_pool(
+    pred: Predictor,
+    layouts: Sequence[Layout],
+    max_num_seqs: int,
+    capacity: Callable[[Layout], int],
+    vocab_size: int = 320,
+) -> EnginePool:
+    """Simulated replicas per layout, timed by the predictor (decode + (re)prefill per step)."""
+
+    def step_time(lay: Layout) -> Callable[[int, int, Sequence[int]], float]:
+        def f(batch: int, tokens: int, prefill: Sequence[int]) -> float:
+            t = pred.decode_step_s(lay, batch, tokens) if batch else 0.0
+            if prefill:
+                rms = math.sqrt(sum(x * x for x in prefill) / len(prefill))
+                t += pred.prefill_s(lay, len(prefill), rms)
+            return t
+
+        return f
+
+    engines = {}
+    for lay in layouts:
+        reps = [
+            FakeEngine(
+                concurrency=max_num_seqs,
+                kv_capacity_tokens=capacity(lay),
+                vocab_size=vocab_size,
+                tp_size=lay.tp,
+                step_time=step_time(lay),
+            )
+            for _ in range(lay.dp)
+        ]
+        engines[lay] = LayoutEngine(lay, reps, virtual=True)
+    return EnginePool.of(engines)
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    time_s: float = 0.0
+    per_step_s: list[float] = dataclasses.field(default_factory=list)
+    layouts: list[str] = dataclasses.field(default_factory=list)  # each step's starting layout
+    preemptions: list[int] = dataclasses.field(default_factory=list)
+    switches: int = 0
+    switch_s: float = 0.0
+    round_kinds: list[str] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "rollout_time_s": self.time_s,
+            "per_step_s": self.per_step_s,
+            "layouts": self.layouts,
+            "preemptions": self.preemptions,
+            "switches": self.switches,
+            "switch_s": self.switch_s,
+            "round_kinds": self.round_kinds,
+        }
+
+
+def run_mode(
+    mode: str,
+    pool: EnginePool,
+    pred: Predictor,
+    start: Layout,
+    records: Sequence[TraceRecord],
+    cfg: PlannerBenchConfig,
+    steps: int,
+    devices: int,
+    max_tp: int,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> ModeRun:
+    """One layout policy over ``steps`` tail-batching steps of the trace.
+
+    ``mode``: ``fixed`` (stay on ``start``), ``per-step`` (RollPacker: TP per round kind from the
+    preemption history), ``switching`` (PAT inside each round), ``per-step+switching``.
+    """
+    from rollpacker.bench.replay import replay_sampling
+
+    rc = dataclasses.replace(cfg.rollout, policy=PolicyName.TAIL_BATCHING)
+    prompts = to_prompts(records, vocab_size=259, seed=cfg.seed)
+    ns = f"{mode}-{start.name}-{time.time_ns()}"
+    policy = TailBatchingPolicy(
+        rc,
+        PromptCursor(prompts, shuffle=False, epochs=1),
+        replay_sampling(rc.max_tokens, cfg.seed),
+        namespace=ns,
+    )
+    switching = "switching" in mode
+    per_step = mode.startswith("per-step")
+    eng = SwitchingEngine(pool, pred, start, check_every=cfg.check_every, enabled=switching)
+    pcfg = plan_mod.PlannerConfig(initial_tp=start.tp, max_tp=max_tp)
+    pstate = plan_mod.initial(pcfg)
+    run = ModeRun(mode=f"{mode} ({start.name})" if mode == "fixed" else mode)
+    for step in range(steps):
+        plan = policy.plan_step(step)
+        kind = plan.round_kind.value if plan.round_kind.value in plan_mod.KINDS else "short"
+        if per_step:
+            tp = pstate.tp_for(kind)
+            eng.set_layout(Layout(tp, devices // tp))
+        run.layouts.append(eng.current.name)
+        n_events = len(eng.events)
+        rr = run_round(eng, policy.open_round(plan))
+        policy.commit(rr.result)
+        new = eng.events[n_events:]
+        run.switches += len(new)
+        run.switch_s += sum(e.seconds for e in new)
+        run.per_step_s.append(rr.metrics.time_s)
+        run.preemptions.append(rr.metrics.preemptions)
+        run.round_kinds.append(plan.round_kind.value)
+        if per_step:
+            pstate = plan_mod.observe(pcfg, pstate, kind, rr.metrics.preemptions)
+        progress(
+            f"{run.mode:<28} step {step:>2} {plan.round_kind.value:<5} on {run.layouts[-1]}: "
+            f"{rr.metrics.time_s:7.2f} s, {rr.metrics.preemptions} preemptions, {len(new)} switches"
+        )
+    run.time_s = sum(run.per_step_s)
+    return run
+
+
+def predictor_view(pred: Predictor, max_len: int) -> list[dict[str, Any]]:
+    """Remaining decode time of a tail (B requests, 256 tokens generated, context 320) on each
+    layout, and what switching to it costs: the numbers behind every switch decision."""
+    rows = []
+    for b in (128, 32, 8, 2, 1):
+        loads = [ReplicaLoad((320,) * b, (256,) * b)]
+        row: dict[str, Any] = {"requests": b}
+        for lay in pred.candidates:
+            row[f"remaining_s_{lay.name}"] = pred.remaining_s(lay, redistribute(loads, lay.dp), max_len)
+            others = [c for c in pred.candidates if c != lay]
+            if others:
+                row[f"switch_to_s_{lay.name}"] = pred.switch_s(others[0], lay, [320] * b)
+        rows.append(row)
+    return rows
+
+
+def run_planner_bench(
+    table: ProfileTable,
+    records: Sequence[TraceRecord],
+    cfg: PlannerBenchConfig,
+    source: str,
+    real_pool: EnginePool | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    rc = cfg.rollout
+    check_serves(records, rc.launched_responses, source)
+    pred = Predictor(table, switch_overhead_s=cfg.switch_overhead_s)
+    layouts = table.candidates
+    devices = max(lay.devices for lay in layouts)
+    max_tp = max(lay.tp for lay in layouts)
+    batch = rc.launched_prompts * rc.launched_responses
+    prompt_len = round(sum(r.prompt_len for r in records) / len(records))
+    best = best_layout(pred, batch, prompt_len, rc.max_tokens)
+    progress(f"profiled best layout for {batch} x {rc.max_tokens} tokens: {best.name}")
+    capacities = {lp.layout: lp.kv_capacity_tokens for lp in table.layouts}
+
+    scenarios: dict[str, Callable[[Layout], int]] = {
+        "measured_kv": lambda lay: capacities[lay],
+        "constrained_kv": lambda lay: kv_capacity(lay, cfg.constrained_kv_tokens, cfg.weights_share),
+    }
+    sim: dict[str, Any] = {}
+    for name, cap in scenarios.items():
+        # the predictor knows the scenario's KV capacity (switch targets must hold the requests)
+        pred = Predictor(
+            dataclasses.replace(
+                table,
+                layouts=tuple(
+                    dataclasses.replace(lp, kv_capacity_tokens=cap(lp.layout)) for lp in table.layouts
+                ),
+            ),
+            switch_overhead_s=cfg.switch_overhead_s,
+        )
+        runs = []
+        for lay in layouts:
+            pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
+            runs.append(
+                run_mode("fixed", pool, pred, lay, records, cfg, cfg.steps, devices, max_tp, progress)
+            )
+        for mode in ("per-step", "switching", "per-step+switching"):
+            pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
+            runs.append(run_mode(mode, pool, pred, best, records, cfg, cfg.steps, devices, max_tp, progress))
+        sim[name] = _with_speedups(runs, {lay.name: cap(lay) for lay in layouts})
+    out: dict[str, Any] = {
+        "config": {**asdict(cfg), "rollout": asdict(rc), "source": source},
+        "profile": {
+            "model": table.model,
+            "hardware": table.hardware,
+            "layouts": [lay.name for lay in layouts],
+        },
+        "best_layout": best.name,
+        "simulated": sim,
+        "predictor_view": predictor_view(pred, rc.max_tokens),
+    }
+    if real_pool is not None and cfg.real_steps > 0:
+        runs = []
+        for lay in layouts:
+            runs.append(
+                run_mode(
+                    "fixed", real_pool, pred, lay, records, cfg, cfg.real_steps, devices, max_tp, progress
+                )
+            )
+        runs.append(
+            run_mode(
+                "switching", real_pool, pred, best, records, cfg, cfg.real_steps, devices, max_tp, progress
+            )
+        )
+        out["real"] = _with_speedups(runs, {})
+    return out
+
+
+def _with_speedups(runs: Sequence[ModeRun], kv: dict[str, int]) -> dict[str, Any]:
+    base = min((r.time_s for r in runs if r.mode.startswith("fixed")), default=0.0)
+    rows = []
+    for r in runs:
+        s = r.summary()
+        s["vs_best_fixed"] = base / r.time_s if r.time_s > 0 else 0.0
+        rows.append(s)
+    return {"kv_tokens_per_replica": kv, "modes": rows}
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        f"profile: {report['profile']['model']} on {report['profile']['hardware']}; "
+        f"best layout for a full round: {report['best_layout']}",
+    ]
+
+    def table(title: str, part: dict[str, Any]) -> None:
+        lines.append("")
+        lines.append(title)
+        if part.get("kv_tokens_per_replica"):
+            kv = ", ".join(f"{k} {v}" for k, v in part["kv_tokens_per_replica"].items())
+            lines.append(f"  KV tokens per replica: {kv}")
+        hdr = (
+            f"  {'mode':<28} {'rollout s':>10} {'vs best fixed':>14} {'preempt':>8} {'switches':>9} "
+            "layouts (per step)"
+        )
+        lines.append(hdr)
+        for m in part["modes"]:
+            lays = ",".join(x.replace("tp", "").replace("dp", "x") for x in m["layouts"])
+            lines.append(
+                f"  {m['mode']:<28} {m['rollout_time_s']:>10.2f} {m['vs_best_fixed']:>13.2f}x "
+                f"{sum(m['preemptions']):>8} {m['switches']:>9} {lays}"
+            )
+
+    for name, part in report["simulated"].items():
+        table(f"simulated on the profile ({name})", part)
+    if "real" in report:
+        table("real vLLM engines on this machine (wall clock)", report["real"])
+    lines.append("")
+    lines.append("predictor's view of a tail (context 320, 256 generated): remaining decode s | switch s")
+    for row in report["predictor_view"]:
+        cells = [f"B={row['requests']:<4}"]
+        for k, v in row.items():
+            if k.startswith("remaining_s_"):
+                lay = k.removeprefix("remaining_s_")
+                sw = row.get(f"switch_to_s_{lay}", 0.0)
+                cells.append(f"{lay} {v:7.3f} | {sw:6.3f}")
+        lines.append("  " + "   ".join(cells))
+    return "\n".join(lines)
+
+
+def profile_and_check(
+    pool: EnginePool,
+    spec: Any,
+    held_out: Sequence[Any],
+    max_tokens: int,
+    temperature: float = 1.0,
+    window: int = 32,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Profile every layout of ``pool``, then decode the held-out prompts on each layout (real
+    sampling, natural lengths, the batch draining) and measure the predictor's error on them."""
+    from rollpacker.core.latency import trajectory_error
+    from rollpacker.core.types import GenerationRequest, SamplingSpec
+    from rollpacker.engines.profiler import profile_engines, record_trajectory
+
+    t0 = time.perf_counter()
+    table = profile_engines(pool.cfg, spec, pool=pool, progress=progress)
+    pred = Predictor(table)
+    errors = {}
+    for lay in pool.layouts:
+        sp = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
+        reqs = [
+            GenerationRequest(f"held-out/{lay.name}/{time.time_ns()}/{i}", p, 0, sp)
+            for i, p in enumerate(held_out)
+        ]
+        steps = record_trajectory(pool[lay], reqs)
+        err = trajectory_error(pred, lay, steps, window=window)
+        errors[lay.name] = asdict(err)
+        progress(
+            f"{lay.name}: held-out trajectory of {err.steps} decode steps: measured {err.measured_s:.3f} s, "
+            f"predicted {err.predicted_s:.3f} s; error per {window}-step window {err.window_mape:.1%}, "
+            f"whole trajectory {err.total_error:.1%}, single steps {err.step_mape:.1%}"
+        )
+    return {
+        "table": asdict(table),
+        "validation": errors,
+        "seconds": time.perf_counter() - t0,
+        "prompt_tokens_mean": sum(len(p.token_ids) for p in held_out) / max(len(held_out), 1),
+    }
