@@ -196,6 +196,10 @@ class LayoutEngine:
             if u.finished:
                 del self._held[u.request_id]
         dur = time.perf_counter() - start
+        if stats:
+            # replicas step side by side: the pass lasts as long as its slowest replica step
+            # (their engine cores' own step times; wall time around a pass includes run-ahead)
+            dur = max(s.duration_s for s in stats)
         if self.virtual:
             start = self._clock
             dur = max((s.duration_s for s in stats), default=0.0)
@@ -444,9 +448,8 @@ class SwitchingEngine:
         eng, lay = self.engine, self.current
         decoding = self.record and eng.all_started()
         loads = eng.loads() if decoding else []
-        t0 = time.perf_counter()
         ups, stats = eng.step()
-        dt = stats.duration_s if self.virtual else time.perf_counter() - t0
+        dt = stats.duration_s
         if self.virtual:
             self._clock += stats.duration_s
         if decoding and any(b for b, _ in loads):

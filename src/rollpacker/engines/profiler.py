@@ -121,12 +121,21 @@ def _random_requests(
 
 
 def measure_point(
-    engine: LayoutEngine, rng: random.Random, tag: str, batch: int, length: int, window: int
+    engine: LayoutEngine,
+    rng: random.Random,
+    tag: str,
+    batch: int,
+    length: int,
+    window: int,
+    max_model_len: int,
 ) -> ProfilePoint:
     """Prefill ``batch`` random ``length``-token prefixes per replica, then time ``window`` steps."""
     vocab = engine.vocab_size
+    # room to decode while the rest of the batch is still in (chunked) prefill: the window must
+    # start with all B requests running; they are aborted after it
+    room = max(window + 2, max_model_len - length - 1)
     for rep in range(engine.layout.dp):
-        for req in _random_requests(rng, f"{tag}/r{rep}", batch, length, vocab, window + 2):
+        for req in _random_requests(rng, f"{tag}/r{rep}", batch, length, vocab, room):
             engine.add_request(req)
     t0 = time.perf_counter()
     while not engine.all_started():
@@ -138,9 +147,13 @@ def measure_point(
     tokens: list[float] = []
     for _ in range(window):
         loads = engine.loads()
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
+        if any(b != batch for b, _ in loads):
+            raise EngineError(
+                f"profile point B={batch} L={length}: only {[b for b, _ in loads]} requests running "
+                "in the decode window (KV cache too small for the point?)"
+            )
+        _, st = engine.step()
+        times.append(st.duration_s)
         tokens.append(max(tk for _, tk in loads))
     engine.abort(list(engine.held()))
     while engine.has_unfinished():  # let the aborts land before the next point
@@ -181,10 +194,12 @@ def profile_engines(
                     f"{cfg.max_model_len}); lower the contexts or raise engine.kv_cache_gib"
                 )
             # one throw-away point: the first steps of a fresh engine pay one-off set-up
-            measure_point(eng, rng, f"prof/{lay.name}/warm", grid[0][0], grid[0][1], 4)
+            measure_point(eng, rng, f"prof/{lay.name}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
             points = []
             for b, length in grid:
-                p = measure_point(eng, rng, f"prof/{lay.name}/b{b}l{length}", b, length, spec.window)
+                p = measure_point(
+                    eng, rng, f"prof/{lay.name}/b{b}l{length}", b, length, spec.window, cfg.max_model_len
+                )
                 points.append(p)
                 say(
                     f"{lay.name} B={b:<3} L={length:<4} prefill {p.prefill_s * 1e3:7.1f} ms  "
@@ -238,9 +253,8 @@ def record_trajectory(
             raise EngineError(f"trajectory: gave up after {max_steps} steps")
         decoding = engine.all_started()
         loads = engine.loads()
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
+        _, st = engine.step()
+        dt = st.duration_s  # the engines' own step time (their cores run ahead of this loop)
         if decoding and any(b for b, _ in loads):
             steps.append(TrajectoryStep(tuple((b, float(tk)) for b, tk in loads), dt))
     return steps

@@ -158,6 +158,22 @@ class VLLMEngine:
                 "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
             ) from e
         self.startup_s = time.perf_counter() - t0
+        # An engine core in its own process runs ahead of this client (it keeps stepping while we
+        # process outputs), so wall time around step() is not the engine's step time. Each batch
+        # of core outputs carries the core's CLOCK_MONOTONIC time: consecutive stamps are the
+        # core's own step times (system-wide clock on Linux).
+        self._core_ts = 0.0
+        self._busy_since = 0.0
+        if not in_process:
+            core = self._engine.engine_core
+            fetch = core.get_output
+
+            def get_output() -> Any:
+                out = fetch()
+                self._core_ts = float(getattr(out, "timestamp", 0.0) or time.monotonic())
+                return out
+
+            core.get_output = get_output
         hf = self._engine.model_config.hf_config
         self._vocab = int(hf.vocab_size)
         tok = self._engine.get_tokenizer()
@@ -215,6 +231,8 @@ class VLLMEngine:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
+        if not self._live:  # the core was idle: its next step time starts now
+            self._busy_since = time.monotonic()
         self._engine.add_request(request.request_id, {"prompt_token_ids": ids}, params)
         self._used.add(request.request_id)
         self._live.add(request.request_id)
@@ -227,8 +245,12 @@ class VLLMEngine:
 
     def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
         start = time.perf_counter()
+        prev = max(self._core_ts, self._busy_since)
         outs = self._engine.step()
         duration = time.perf_counter() - start
+        if not self._in_process and self._core_ts > prev:
+            duration = self._core_ts - prev  # the core's step time (see __init__)
+            start = time.perf_counter() - duration
         updates: list[RequestUpdate] = []
         for o in outs:
             if o.request_id not in self._live:
