@@ -77,6 +77,12 @@ def test_invariant_tp_is_a_power_of_two_in_bounds_and_replay_equals_stepping(
         {"initial_tp": 16, "max_tp": 8},
         {"rise_factor": 0.9},
         {"calm_steps": 0},
+        {"devices": 2, "max_tp": 4},
+        {"devices": -1},
+        {"check_every": 0},
+        {"reprofile_margin": 0},
+        {"profile_batches": ()},
+        {"profile_contexts": (16, 0)},
     ],
 )
 def test_bad_planner_config_is_named(kw: dict[str, float]) -> None:

@@ -33,18 +33,22 @@ states = st.builds(
         tuple
     ),
     tp_plan=st.builds(
-        lambda short, long, hist: TPPlan(short, long, tuple(p for _, p in hist), tuple(k for k, _ in hist)),
+        lambda short, long, hist, init: TPPlan(
+            short, long, tuple(p for _, p in hist), tuple(k for k, _ in hist), init
+        ),
         st.integers(1, 8),
         st.integers(1, 8),
         st.lists(
             st.tuples(st.sampled_from(["short", "long", "standard"]), st.integers(0, 10**6)), max_size=5
         ),
+        st.sampled_from([0, 1, 2, 4]),
     ),
     timeout_anchors=st.text(max_size=20),
     length_history=st.lists(st.tuples(names, st.integers(0, 10**5)), max_size=5).map(tuple),
     checkpoint_uri=st.text(max_size=30),
     policy_version=ints,
     profile_uri=st.text(max_size=30),
+    profile_drift=st.floats(0, 10, allow_nan=False),
     seed=ints,
     trained_samples=ints,
     trained_prompts=ints,
