@@ -14,6 +14,7 @@ set the predictor's error is measured on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import random
@@ -120,6 +121,10 @@ def _random_requests(
     ]
 
 
+class _PointLost(EngineError):
+    """A grid point whose batch did not stay whole through the decode window."""
+
+
 def measure_point(
     engine: LayoutEngine,
     rng: random.Random,
@@ -148,9 +153,13 @@ def measure_point(
     for _ in range(window):
         loads = engine.loads()
         if any(b != batch for b, _ in loads):
-            raise EngineError(
-                f"profile point B={batch} L={length}: only {[b for b, _ in loads]} requests running "
-                "in the decode window (KV cache too small for the point?)"
+            # some requests ran out of room while others still prefilled: not this point
+            engine.abort(list(engine.held()))
+            while engine.has_unfinished():
+                engine.step()
+            raise _PointLost(
+                f"profile point B={batch} L={length}: only {[b for b, _ in loads]} of {batch} requests "
+                "per replica still running in the decode window; skipped"
             )
         _, st = engine.step()
         times.append(st.duration_s)
@@ -194,17 +203,25 @@ def profile_engines(
                     f"{cfg.max_model_len}); lower the contexts or raise engine.kv_cache_gib"
                 )
             # one throw-away point: the first steps of a fresh engine pay one-off set-up
-            measure_point(eng, rng, f"prof/{lay.name}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
+            tag = f"prof/{time.time_ns()}/{lay.name}"  # request ids are single-use per engine
+            with contextlib.suppress(_PointLost):  # a warm-up: only its cost mattered
+                measure_point(eng, rng, f"{tag}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
             points = []
             for b, length in grid:
-                p = measure_point(
-                    eng, rng, f"prof/{lay.name}/b{b}l{length}", b, length, spec.window, cfg.max_model_len
-                )
+                try:
+                    p = measure_point(
+                        eng, rng, f"{tag}/b{b}l{length}", b, length, spec.window, cfg.max_model_len
+                    )
+                except _PointLost as e:
+                    say(str(e))
+                    continue
                 points.append(p)
                 say(
                     f"{lay.name} B={b:<3} L={length:<4} prefill {p.prefill_s * 1e3:7.1f} ms  "
                     f"decode {p.decode_s * 1e3:6.2f} ms/step"
                 )
+            if not points:
+                raise EngineError(f"{lay.name}: every profile point was lost; raise engine.max_model_len")
             layouts.append(
                 LayoutProfile(
                     layout=lay,
