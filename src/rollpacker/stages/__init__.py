@@ -307,6 +307,9 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     )
     stages = {"plan": p, "rollout": r, "reward": rw, "judge": jd, "train": tr}
     work = sum(float(s.get("work_s", 0.0)) for s in stages.values())
+    # a (re-)profile is one-off work like the arm's start-up: its own metric, not step time
+    profile_s = float(ctx.store.get_json(prof_key).get("seconds", 0.0)) if prof else 0.0
+    work += profile_s
     groups = {
         "step": step,
         "attempt": p["attempt"],
@@ -322,8 +325,10 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     metrics["pipeline/overhead_s"] = max(0.0, time.time() - p["t_start_wall"] - work)
     wall = time.time() - p["t_start_wall"]
     metrics["step/wall_s"] = wall
-    # the RL step itself: without the arm's one-off start-up and without validation
-    metrics["step/time_s"] = wall - float(p.get("init_s", 0.0)) - float(tr.get("val_s", 0.0))
+    # the RL step itself: without the arm's one-off start-up, profiling and validation
+    metrics["step/time_s"] = wall - float(p.get("init_s", 0.0)) - float(tr.get("val_s", 0.0)) - profile_s
+    if prof:
+        metrics["stage/profile_s"] = profile_s
     for name, st in stages.items():
         metrics[f"stage/{name}_s"] = float(st.get("work_s", 0.0))
     summary = {
