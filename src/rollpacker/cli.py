@@ -438,9 +438,8 @@ def profile_cmd(
     replica, prefill timed, then a short decode window) over the planner's batch x context grid,
     then check the latency predictor on real decoding trajectories of held-out prompts. Writes the
     table as JSON and a plot next to it (docs/parallelism.md)."""
-    from rollpacker.bench.planner import profile_and_check
     from rollpacker.core.latency import ProfileTable
-    from rollpacker.engines.profiler import plot_profile, table_rows
+    from rollpacker.engines.profiler import plot_profile, profile_and_check, table_rows
     from rollpacker.loop.runner import load_config
 
     t0 = __import__("time").perf_counter()
@@ -511,9 +510,10 @@ def bench_planner(
     and, with --real-steps, on this machine's real vLLM engines. Prints the table, writes JSON."""
     import dataclasses
 
-    from rollpacker.bench.planner import PlannerBenchConfig, profile_and_check, render, run_planner_bench
+    from rollpacker.bench.planner import PlannerBenchConfig, render, run_planner_bench
     from rollpacker.core.config import RolloutConfig
     from rollpacker.core.latency import ProfileTable
+    from rollpacker.engines.profiler import profile_and_check
     from rollpacker.loop.runner import load_config
 
     try:

@@ -20,7 +20,7 @@ import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,11 @@ from rollpacker.core.errors import EngineError
 from rollpacker.core.latency import (
     Layout,
     LayoutProfile,
+    Predictor,
     ProfilePoint,
     ProfileTable,
     TrajectoryStep,
+    trajectory_error,
 )
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
 from rollpacker.engines.layout import EnginePool, LayoutEngine
@@ -318,3 +320,40 @@ def plot_profile(table: ProfileTable, path: Path | str) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def profile_and_check(
+    pool: EnginePool,
+    spec: ProfileSpec,
+    held_out: Sequence[Any],
+    max_tokens: int,
+    temperature: float = 1.0,
+    window: int = 32,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """Profile every layout of ``pool``, then decode the held-out prompts on each layout (real
+    sampling, natural lengths, the batch draining) and measure the predictor's error on them."""
+    t0 = time.perf_counter()
+    table = profile_engines(pool.cfg, spec, pool=pool, progress=progress)
+    pred = Predictor(table)
+    errors = {}
+    for lay in pool.layouts:
+        sp = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
+        reqs = [
+            GenerationRequest(f"held-out/{lay.name}/{time.time_ns()}/{i}", p, 0, sp)
+            for i, p in enumerate(held_out)
+        ]
+        steps = record_trajectory(pool[lay], reqs)
+        err = trajectory_error(pred, lay, steps, window=window)
+        errors[lay.name] = asdict(err)
+        progress(
+            f"{lay.name}: held-out trajectory of {err.steps} decode steps: measured {err.measured_s:.3f} s, "
+            f"predicted {err.predicted_s:.3f} s; error per {window}-step window {err.window_mape:.1%}, "
+            f"whole trajectory {err.total_error:.1%}, single steps {err.step_mape:.1%}"
+        )
+    return {
+        "table": asdict(table),
+        "validation": errors,
+        "seconds": time.perf_counter() - t0,
+        "prompt_tokens_mean": sum(len(p.token_ids) for p in held_out) / max(len(held_out), 1),
+    }

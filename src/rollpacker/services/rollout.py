@@ -336,10 +336,9 @@ class RolloutService(Service):
     def profile(self) -> dict[str, Any]:
         """The profile table of the served engines (every layout, or the one engine) over the
         planner's grid, and real decoding trajectories of validation prompts it is checked on."""
-        from rollpacker.bench.planner import profile_and_check
         from rollpacker.core.latency import Layout
         from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
-        from rollpacker.engines.profiler import ProfileSpec
+        from rollpacker.engines.profiler import ProfileSpec, profile_and_check
 
         pc = self.cfg.planner
         with self._round_lock:
