@@ -215,9 +215,8 @@ def test_algorithm1_switches_only_to_something_predicted_faster(reqs, current, o
         assert d.best_s == pytest.approx(dict(d.per_layout_s)[d.target.name])
     else:
         assert d.target == current
-        assert all(t >= d.current_s - 1e-12 for _, t in d.per_layout_s) or d.current_s <= min(
-            t for _, t in d.per_layout_s
-        )
+        # staying is the least predicted time of every candidate considered
+        assert d.current_s <= min(t for _, t in d.per_layout_s) + 1e-12
 
 
 def test_best_layout_is_the_least_predicted_time_for_a_full_batch() -> None:

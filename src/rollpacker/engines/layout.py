@@ -223,7 +223,7 @@ class LayoutEngine:
         return max(float(r.kv_cache_usage()) for r in self.replicas)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        weights = [(n, t.detach().to("cpu", copy=True)) for n, t in named_tensors]
+        weights = list(named_tensors)  # each replica's engine takes its own copy
         for r in self.replicas:
             r.load_weights(iter(weights))
 
@@ -313,7 +313,7 @@ class EnginePool:
         return tuple(self.engines)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        weights = [(n, t.detach().to("cpu", copy=True)) for n, t in named_tensors]
+        weights = list(named_tensors)  # each replica's engine takes its own copy
         for eng in self.engines.values():
             eng.load_weights(iter(weights))
 
