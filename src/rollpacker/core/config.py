@@ -27,6 +27,39 @@ from rollpacker.core.timeout import TimeoutConfig
 class PolicyName(enum.Enum):
     SYNC = "sync"
     TAIL_BATCHING = "tail_batching"
+    SORTED = "sorted"  # SortedRL (docs/policies.md)
+    PARTIAL = "partial"  # async partial rollout (docs/policies.md)
+
+
+class SortedMode(enum.Enum):
+    ON_POLICY = "on_policy"  # unfinished requests terminated, their prompts scavenged back
+    PARTIAL = "partial"  # unfinished requests' tokens and logprobs cached and resumed
+
+
+@dataclass(frozen=True)
+class SortedConfig:
+    """SortedRL (paper 003): ``group_size`` (n) update batches of prompts are loaded into the buffer
+    at once and no new prompt is loaded until every one of them is trained."""
+
+    mode: SortedMode = SortedMode.ON_POLICY
+    group_size: int = 4  # n: prompt batches loaded together (the paper's default sensitivity: 2-8)
+
+    def __post_init__(self) -> None:
+        _positive_int("rollout.sorted.group_size", self.group_size)
+
+
+@dataclass(frozen=True)
+class PartialConfig:
+    """Async partial rollout (paper 004): supplementation, interruption, cached partial samples."""
+
+    max_staleness: int = 2  # a cached sample older than this many policy versions is regenerated
+    in_flight: int = 0  # requests kept running by supplementation; 0 = the engine's max_num_seqs
+
+    def __post_init__(self) -> None:
+        for name in ("max_staleness", "in_flight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"rollout.partial.{name} = {v!r}: must be an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -41,6 +74,11 @@ class RolloutConfig:
     max_tokens: int = 1024  # max response length
     temperature: float = 1.0
     top_p: float = 1.0
+    sorted: SortedConfig = dataclasses.field(default_factory=SortedConfig)
+    partial: PartialConfig = dataclasses.field(default_factory=PartialConfig)
+    # one-off pipeline (RollPacker 6.7): the rollouts of step t are trained at step t+1, while
+    # step t+1 rolls out with the weights before that update (one version of staleness)
+    one_off: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("rollout.prompts_per_step (P0)", self.prompts_per_step)
@@ -139,6 +177,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             return None
         tp = args[0]
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, str) and hasattr(tp, "from_name"):
+            return tp.from_name(value, where)
         return from_mapping(tp, value, where + ".")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
@@ -166,7 +206,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The policy-gradient trainer (GRPO with a PPO-clip ratio against behaviour logprobs)."""
+    """The policy-gradient trainer (GRPO with a PPO-clip ratio against behaviour logprobs, or the
+    decoupled PPO objective of partial rollout: docs/policies.md)."""
 
     lr: float = 3e-5  # this tiny model destabilizes at >= 1e-4 (docs/training.md)
     weight_decay: float = 0.0
@@ -182,6 +223,9 @@ class TrainerConfig:
     tokens_per_micro_batch: int = 8192  # padded tokens per forward/backward
     stream: bool = True  # gradients during rollout, one deferred update
     seed: int = 0
+    # ppo: clip(pi / pi_behav); decoupled_ppo: pi_prox / pi_behav * clip(pi / pi_prox) (AReaL);
+    # auto: decoupled for the partial policy, ppo otherwise
+    objective: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("lr", "adam_beta1", "adam_beta2"):
@@ -194,6 +238,10 @@ class TrainerConfig:
                 raise ConfigError(f"train.{name} = {v!r}: must be a number >= 0")
         if self.clip_eps_low >= 1:
             raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
+        if self.objective not in ("auto", "ppo", "decoupled_ppo"):
+            raise ConfigError(
+                f"train.objective = {self.objective!r}: use 'auto', 'ppo' or 'decoupled_ppo'"
+            )
         if self.loss_norm not in ("token_mean", "seq_mean"):
             raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
         _positive_int("train.mini_batches", self.mini_batches)
@@ -357,6 +405,57 @@ class ServicesConfig:
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
+_ARM_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,39}")
+
+
+@dataclass(frozen=True)
+class ArmConfig:
+    """One arm of an experiment: a rollout policy, its variant, and the name its MLflow run, state
+    prefix and services go by. In YAML an arm is a policy name (``tail_batching``) or a mapping
+    (``{name: sorted_partial, policy: sorted, mode: partial}``, ``{name: tb_one_off, policy:
+    tail_batching, one_off: true}``)."""
+
+    name: str
+    policy: PolicyName
+    mode: SortedMode | None = None  # sorted only: overrides rollout.sorted.mode
+    one_off: bool | None = None  # overrides rollout.one_off
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _ARM_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"arms: name {self.name!r}: 1-40 lowercase letters, digits, '_' or '-', starting with "
+                "a letter or digit (it names the MLflow run, the state prefix and the Ray actors)"
+            )
+        if self.mode is not None and self.policy is not PolicyName.SORTED:
+            raise ConfigError(
+                f"arms: {self.name!r} sets mode {self.mode.value!r}, but only the sorted policy has modes"
+            )
+
+    @classmethod
+    def from_name(cls, value: str, where: str = "arms") -> ArmConfig:
+        try:
+            return cls(name=value, policy=PolicyName(value))
+        except ValueError:
+            allowed = ", ".join(repr(m.value) for m in PolicyName)
+            raise ConfigError(
+                f"{where} = {value!r}: an arm is a policy name ({allowed}) or a mapping "
+                "{name, policy, mode, one_off}"
+            ) from None
+
+    def apply(self, rollout: RolloutConfig) -> RolloutConfig:
+        """``rollout`` with this arm's policy and variant."""
+        changes: dict[str, Any] = {"policy": self.policy}
+        if self.mode is not None:
+            changes["sorted"] = dataclasses.replace(rollout.sorted, mode=self.mode)
+        if self.one_off is not None:
+            changes["one_off"] = self.one_off
+        return dataclasses.replace(rollout, **changes)
+
+
+def _arms(*names: str) -> tuple[ArmConfig, ...]:
+    return tuple(ArmConfig.from_name(n) for n in names)
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
@@ -377,15 +476,37 @@ class ExperimentConfig:
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
     # the state store and the services.
-    arms: tuple[PolicyName, ...] = (PolicyName.SYNC, PolicyName.TAIL_BATCHING)
+    arms: tuple[ArmConfig, ...] = _arms("sync", "tail_batching")
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
 
+    def arm(self, name: str) -> ArmConfig:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise ConfigError(f"arm {name!r} is not in this config's arms {self.arm_names}")
+
+    @property
+    def arm_names(self) -> list[str]:
+        return [a.name for a in self.arms]
+
+    def for_arm(self, name: str) -> ExperimentConfig:
+        """This config as arm ``name`` runs it: its policy and variant applied to ``rollout``, and
+        ``train.objective: auto`` resolved."""
+        arm = self.arm(name)
+        rollout = arm.apply(self.rollout)
+        train = self.train
+        if train.objective == "auto":
+            decoupled = rollout.policy is PolicyName.PARTIAL
+            train = dataclasses.replace(train, objective="decoupled_ppo" if decoupled else "ppo")
+        return dataclasses.replace(self, rollout=rollout, train=train)
+
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
-        if not self.arms or len(set(self.arms)) != len(self.arms):
-            raise ConfigError(f"arms = {[a.value for a in self.arms]}: list each policy once, at least one")
+        names = [a.name for a in self.arms]
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(f"arms = {names}: give each arm a distinct name, at least one arm")
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.experiment or ""):
             raise ConfigError(
                 f"experiment = {self.experiment!r}: letters, digits, '.', '_' and '-' only "

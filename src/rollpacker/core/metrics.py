@@ -7,14 +7,19 @@ as ``r = 0``: it is bubble too.
 
 Invariants:
 - ``0 <= bubble_ratio <= 1``; a round that keeps ``Q`` requests running all the time has 0;
-- ``tokens_generated == tokens_useful + tokens_wasted``;
+- ``tokens_generated == tokens_useful + tokens_wasted + tokens_cached``;
+- ``policy_lag`` is 0 for a round that trains only tokens sampled by the weights it trains from.
+
+Off-policy degree (``policy_lag``): the token-weighted mean of ``v_train - v_token`` over the trained
+response tokens, where ``v_token`` is the policy version that sampled the token (resumed tokens keep
+theirs) and ``v_train`` the version of the weights the update is computed from.
 - response-length statistics are over the trained responses only.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rollpacker.core.types import EngineStepStats, RoundResult
@@ -63,6 +68,10 @@ class RolloutMetrics:
     preemptions: int
     bubble_ratio: float
     concurrency: int
+    tokens_cached: int = 0  # generated now, kept for a later step (partial modes)
+    policy_lag: float = 0.0  # token-weighted version lag of the trained tokens
+    policy_lag_max: int = 0
+    off_policy_frac: float = 0.0  # fraction of trained tokens from an older version
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -81,10 +90,55 @@ class RolloutMetrics:
             "rollout/preemptions": float(self.preemptions),
             "rollout/round_kind": float(ROUND_CODE.get(self.round_kind, -1)),
             "rollout/long_queue_size": float(long_queue_size),
+            "rollout/tokens_cached": float(self.tokens_cached),
+            "rollout/policy_lag": self.policy_lag,
+            "rollout/policy_lag_max": float(self.policy_lag_max),
+            "rollout/off_policy_frac": self.off_policy_frac,
         }
 
 
-ROUND_CODE = {"standard": 0, "short": 1, "long": 2}
+ROUND_CODE = {"standard": 0, "short": 1, "long": 2, "sorted": 3, "partial": 4}
+
+
+@dataclass(frozen=True)
+class PolicyLag:
+    """The off-policy degree of a batch of trained tokens."""
+
+    mean: float  # token-weighted mean of v_train - v_token
+    max: int
+    off_policy_frac: float  # tokens with v_token < v_train, over all tokens
+    tokens: int
+
+    def logged(self, prefix: str) -> dict[str, float]:
+        return {
+            f"{prefix}/policy_lag": self.mean,
+            f"{prefix}/policy_lag_max": float(self.max),
+            f"{prefix}/off_policy_frac": self.off_policy_frac,
+        }
+
+
+def policy_lag(token_versions: Iterable[Sequence[int]], train_version: int) -> PolicyLag:
+    """The lag of every token of every sequence against ``train_version``.
+
+    A token from a *newer* version than the update's weights is a bug (the trainer would learn
+    from its own future) and raises ``ValueError``.
+    """
+    total = lag_sum = off = worst = 0
+    for versions in token_versions:
+        for v in versions:
+            lag = train_version - v
+            if lag < 0:
+                raise ValueError(
+                    f"a token sampled by policy version {v} is trained from version {train_version}: "
+                    "rollout weights are ahead of the trainer's"
+                )
+            total += 1
+            lag_sum += lag
+            off += lag > 0
+            worst = max(worst, lag)
+    if not total:
+        return PolicyLag(0.0, 0, 0.0, 0)
+    return PolicyLag(lag_sum / total, worst, off / total, total)
 
 
 def rollout_metrics(
@@ -93,11 +147,18 @@ def rollout_metrics(
     time_s: float,
     concurrency: int,
     preemptions: int,
+    train_version: int | None = None,
 ) -> RolloutMetrics:
-    """Summarise a committed round from its result and the engine steps it took."""
+    """Summarise a committed round from its result and the engine steps it took; the lag is
+    against ``train_version`` (default: the newest version among the trained tokens)."""
     lens = [c.num_tokens for g in result.groups for c in g.responses]
     useful = sum(c.num_tokens - c.resumed_tokens for g in result.groups for c in g.responses)
     wasted = sum(c.num_tokens - c.resumed_tokens for c in result.discarded)
+    cached = sum(c.num_tokens - c.resumed_tokens for c in result.cached)
+    versions = [c.token_versions for g in result.groups for c in g.responses]
+    if train_version is None:
+        train_version = max((max(v) for v in versions if v), default=0)
+    lag = policy_lag(versions, train_version)
     return RolloutMetrics(
         step=result.plan.step,
         round_kind=result.plan.round_kind.value,
@@ -108,11 +169,15 @@ def rollout_metrics(
         response_len_max=max(lens, default=0),
         response_len_mean=sum(lens) / len(lens) if lens else 0.0,
         response_len_p75=percentile(lens, 75),
-        tokens_generated=useful + wasted,
+        tokens_generated=useful + wasted + cached,
         tokens_useful=useful,
         tokens_wasted=wasted,
         aborted_requests=sum(1 for c in result.discarded if not c.finish_reason.is_natural),
         preemptions=preemptions,
         bubble_ratio=bubble_ratio(steps, time_s, concurrency),
         concurrency=concurrency,
+        tokens_cached=cached,
+        policy_lag=lag.mean,
+        policy_lag_max=lag.max,
+        off_policy_frac=lag.off_policy_frac,
     )

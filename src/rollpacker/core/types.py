@@ -22,6 +22,8 @@ class RoundKind(enum.Enum):
     STANDARD = "standard"  # synchronous baseline: P0 prompts x R0 responses, wait for all
     SHORT = "short"  # tail batching with speculation (abort the tail)
     LONG = "long"  # tail batching long round: P0 queued prompts, no speculation
+    SORTED = "sorted"  # SortedRL: the buffered group oversubscribed, early termination at P0 groups
+    PARTIAL = "partial"  # partial rollout: cached partial samples resumed, supplemented, interrupted
 
 
 class FinishReason(enum.Enum):
@@ -92,6 +94,7 @@ class GenerationRequest:
     sampling: SamplingSpec
     prefix_token_ids: tuple[int, ...] = ()
     prefix_logprobs: tuple[float, ...] = ()
+    prefix_versions: tuple[int, ...] = ()  # policy version of each prefix token (() = unknown: 0)
 
     def __post_init__(self) -> None:
         if len(self.prefix_token_ids) != len(self.prefix_logprobs):
@@ -99,6 +102,15 @@ class GenerationRequest:
                 f"request {self.request_id!r}: prefix has {len(self.prefix_token_ids)} tokens but "
                 f"{len(self.prefix_logprobs)} logprobs"
             )
+        if self.prefix_versions and len(self.prefix_versions) != len(self.prefix_token_ids):
+            raise ValueError(
+                f"request {self.request_id!r}: prefix has {len(self.prefix_token_ids)} tokens but "
+                f"{len(self.prefix_versions)} policy versions"
+            )
+
+    @property
+    def prefix_token_versions(self) -> tuple[int, ...]:
+        return self.prefix_versions or (0,) * len(self.prefix_token_ids)
 
     @property
     def engine_input_ids(self) -> tuple[int, ...]:
@@ -160,6 +172,7 @@ class Completion:
     policy_version: int = 0  # weights version that sampled the new tokens
     resumed_tokens: int = 0  # leading tokens that came from a resumed prefix
     finished_at_s: float = 0.0
+    prefix_versions: tuple[int, ...] = ()  # versions of the resumed tokens (() = all policy_version)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -167,10 +180,26 @@ class Completion:
                 f"completion {self.request_id!r}: {len(self.token_ids)} tokens but "
                 f"{len(self.logprobs)} logprobs"
             )
+        if not 0 <= self.resumed_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"completion {self.request_id!r}: {self.resumed_tokens} resumed tokens of "
+                f"{len(self.token_ids)}"
+            )
+        if self.prefix_versions and len(self.prefix_versions) != self.resumed_tokens:
+            raise ValueError(
+                f"completion {self.request_id!r}: {len(self.prefix_versions)} prefix versions for "
+                f"{self.resumed_tokens} resumed tokens"
+            )
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def token_versions(self) -> tuple[int, ...]:
+        """The policy version that sampled each token: resumed tokens keep theirs."""
+        head = self.prefix_versions or (self.policy_version,) * self.resumed_tokens
+        return head + (self.policy_version,) * (len(self.token_ids) - self.resumed_tokens)
 
 
 @dataclass(frozen=True)
@@ -226,3 +255,6 @@ class RoundResult:
     # every response generated but not trained: aborted ones (with their partial tokens) and
     # natural ones that came too late for their group or belong to a deferred prompt
     discarded: tuple[Completion, ...] = field(default=())
+    # responses kept for a later step (partial modes: interrupted ones with their tokens, finished
+    # ones of prompts that are not complete yet): generated now, trained later, not wasted
+    cached: tuple[Completion, ...] = field(default=())

@@ -135,6 +135,7 @@ def run_round(
         time_s=elapsed,
         concurrency=engine.concurrency,
         preemptions=engine.num_preemptions() - preempt0,
+        train_version=policy_version,
     )
     return RoundRun(result=result, metrics=metrics, steps=tuple(steps), engine_tokens=engine_tokens)
 
@@ -196,4 +197,5 @@ def _completion(st: _Live, reason: FinishReason, version: int, now: float) -> Co
         policy_version=version,
         resumed_tokens=len(req.prefix_token_ids),
         finished_at_s=now,
+        prefix_versions=req.prefix_token_versions,
     )

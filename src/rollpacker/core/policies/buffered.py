@@ -1,0 +1,462 @@
+"""The rollout buffer of SortedRL and partial rollout, and the round both run on.
+
+A buffered policy keeps prompts (and, in its partial modes, their unfinished and finished
+responses) between steps in a ``RolloutBuffer``: the controller state's ``partial_cache``, so a
+restart never loses a cached response. Each step a ``BufferedRound`` launches the buffered
+prompts, resuming every cached partial response after its tokens, and optionally supplements
+new prompts to keep ``in_flight`` requests running; it ends as soon as ``P0`` prompts have ``R0``
+finished responses each (early termination / interruption) and aborts everything still running.
+What it did not train goes back to the buffer: with ``keep_partial`` the interrupted responses
+keep their tokens, logprobs and per-token policy versions, and finished responses of prompts that
+are not complete yet are kept too; without it (on-policy) only the prompt goes back.
+
+Invariants (tests/core/test_buffered_policies.py):
+- exactly ``P0`` groups of exactly ``R0`` responses per step, each response sampled for its prompt;
+- a resumed response's tokens keep the logprobs and versions they were sampled with: the trained
+  response is the cached prefix followed by what the engine added, token for token;
+- every launched prompt is trained or back in the buffer, never both, never neither;
+- without ``keep_partial`` every trained token was sampled in this round (no older policy);
+- a group's responses are listed in the update in ascending mean length (selective batching).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollpacker.core.errors import PolicyError
+from rollpacker.core.policies.base import Round, SamplingFactory
+from rollpacker.core.prompts import PromptCursor
+from rollpacker.core.types import (
+    Actions,
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    Group,
+    Prompt,
+    RoundResult,
+    StepPlan,
+    request_id,
+)
+
+
+@dataclass(frozen=True)
+class CachedSample:
+    """One response kept in the buffer: finished (``finish_reason`` set) or to be resumed."""
+
+    sample_index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]  # the policy version that sampled each token
+    finish_reason: FinishReason | None = None
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.logprobs) == len(self.versions):
+            raise PolicyError(
+                f"cached sample {self.request_id or self.sample_index!r}: {len(self.token_ids)} tokens, "
+                f"{len(self.logprobs)} logprobs and {len(self.versions)} versions must match"
+            )
+        if self.finish_reason is FinishReason.ABORT:
+            raise PolicyError(f"cached sample {self.request_id!r}: an aborted response is kept unfinished")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def staleness(self, version: int) -> int:
+        """How many versions older than ``version`` its oldest token is (0 without tokens)."""
+        return version - min(self.versions) if self.versions else 0
+
+    @classmethod
+    def from_completion(cls, c: Completion) -> CachedSample:
+        return cls(
+            sample_index=c.sample_index,
+            token_ids=c.token_ids,
+            logprobs=c.logprobs,
+            versions=c.token_versions,
+            finish_reason=c.finish_reason if c.finish_reason.is_natural else None,
+            request_id=c.request_id,
+        )
+
+    def as_completion(self, prompt_id: str) -> Completion:
+        """The cached response as a completion whose tokens are all resumed (an unfinished one
+        as aborted)."""
+        return Completion(
+            request_id=self.request_id,
+            prompt_id=prompt_id,
+            sample_index=self.sample_index,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason or FinishReason.ABORT,
+            policy_version=max(self.versions, default=0),
+            resumed_tokens=len(self.token_ids),
+            prefix_versions=self.versions,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sample_index": self.sample_index,
+            "token_ids": list(self.token_ids),
+            "logprobs": list(self.logprobs),
+            "versions": _rle(self.versions),
+            "finish_reason": self.finish_reason.value if self.finish_reason else None,
+            "request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> CachedSample:
+        if not isinstance(d, dict):
+            raise PolicyError(f"{where}: a cached sample must be an object, got {type(d).__name__}")
+        try:
+            fr = d.get("finish_reason")
+            return cls(
+                sample_index=int(d["sample_index"]),
+                token_ids=tuple(int(t) for t in d["token_ids"]),
+                logprobs=tuple(float(x) for x in d["logprobs"]),
+                versions=_unrle(d["versions"]),
+                finish_reason=FinishReason(fr) if fr is not None else None,
+                request_id=str(d.get("request_id", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PolicyError(f"{where}: malformed cached sample ({e!r})") from e
+
+
+@dataclass(frozen=True)
+class BufferEntry:
+    """A prompt waiting in the buffer, with the responses kept for it."""
+
+    prompt_id: str
+    loaded_step: int  # the step it entered the buffer (SortedRL's bounded wait counts from here)
+    samples: tuple[CachedSample, ...] = ()
+
+    def __post_init__(self) -> None:
+        idx = [s.sample_index for s in self.samples]
+        if len(set(idx)) != len(idx):
+            raise PolicyError(f"buffered prompt {self.prompt_id!r}: sample indices {idx} repeat")
+
+    @property
+    def finished(self) -> tuple[CachedSample, ...]:
+        return tuple(s for s in self.samples if s.finished)
+
+    @property
+    def unfinished(self) -> tuple[CachedSample, ...]:
+        return tuple(s for s in self.samples if not s.finished)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_id": self.prompt_id,
+            "loaded_step": self.loaded_step,
+            "samples": [s.to_dict() for s in self.samples],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "partial_cache") -> BufferEntry:
+        if not isinstance(d, dict) or "prompt_id" not in d:
+            raise PolicyError(f"{where}: a buffer entry must be an object with a prompt_id")
+        samples = d.get("samples", [])
+        if not isinstance(samples, list):
+            raise PolicyError(f"{where}: samples must be a list")
+        try:
+            loaded = int(d.get("loaded_step", 0))
+        except (TypeError, ValueError) as e:
+            raise PolicyError(f"{where}: loaded_step {d.get('loaded_step')!r} is not a step") from e
+        return cls(
+            prompt_id=str(d["prompt_id"]),
+            loaded_step=loaded,
+            samples=tuple(CachedSample.from_dict(s, f"{where}[{d['prompt_id']}]") for s in samples),
+        )
+
+
+def buffer_from_state(cache: Iterable[dict[str, Any]], known: Callable[[str], bool]) -> list[BufferEntry]:
+    """The buffer of a state document's ``partial_cache``; a prompt the task does not have is an
+    error (the state belongs to another dataset), never silently dropped."""
+    out = [BufferEntry.from_dict(d, f"partial_cache[{i}]") for i, d in enumerate(cache)]
+    ids = [e.prompt_id for e in out]
+    if len(set(ids)) != len(ids):
+        raise PolicyError(f"partial_cache holds prompt {next(i for i in ids if ids.count(i) > 1)!r} twice")
+    missing = [i for i in ids if not known(i)]
+    if missing:
+        raise PolicyError(
+            f"partial_cache holds prompts {missing[:3]} that the task does not have: the state was "
+            "written for another dataset; start the arm over (--fresh)"
+        )
+    return out
+
+
+def buffer_after(result: RoundResult, entries: Sequence[BufferEntry], step: int) -> list[BufferEntry]:
+    """The buffer after a committed round: its deferred prompts in launch order, each with the
+    responses the round cached for it (``result.cached``)."""
+    loaded = {e.prompt_id: e.loaded_step for e in entries}
+    kept: dict[str, list[CachedSample]] = {}
+    for c in result.cached:
+        kept.setdefault(c.prompt_id, []).append(CachedSample.from_completion(c))
+    out = []
+    for p in result.deferred:
+        samples = sorted(kept.pop(p.prompt_id, []), key=lambda s: s.sample_index)
+        out.append(BufferEntry(p.prompt_id, loaded.get(p.prompt_id, step), tuple(samples)))
+    if kept:
+        raise PolicyError(
+            f"step {step}: responses cached for prompts {sorted(kept)[:3]} that were not deferred"
+        )
+    return out
+
+
+def draw_excluding(cursor: PromptCursor, n: int, skip: set[str]) -> tuple[tuple[Prompt, ...], list[int]]:
+    """The next ``n`` cursor prompts that are not in ``skip`` (on a small dataset a buffered prompt
+    comes round again in the next epoch; that draw is skipped, i.e. consumed), and for each its
+    cursor position + 1 (how far the cursor moves if the round uses prompts up to it)."""
+    k = max(n, 1)
+    while True:
+        picked: list[Prompt] = []
+        ends: list[int] = []
+        seen = set(skip)
+        for pos, p in enumerate(cursor.peek(k)):
+            if p.prompt_id in seen:
+                continue
+            seen.add(p.prompt_id)
+            picked.append(p)
+            ends.append(pos + 1)
+            if len(picked) == n:
+                return tuple(picked), ends
+        if n == 0:
+            return (), []
+        if k > 4 * n + 2 * len(skip):
+            raise PolicyError(
+                f"cannot draw {n} prompts that are not in the rollout buffer ({len(skip)} are): the "
+                "dataset is too small for this step size"
+            )
+        k += n
+
+
+@dataclass
+class _Progress:
+    prompt: Prompt
+    entry: BufferEntry
+    live: set[str]
+    finished: list[Completion]
+    complete: bool = False
+
+
+class BufferedRound(Round):
+    """One step of a buffered policy (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        entries: Sequence[tuple[Prompt, BufferEntry]],
+        sampling: SamplingFactory,
+        namespace: str = "",
+        keep_partial: bool = False,
+        supplement: Sequence[Prompt] = (),
+        in_flight: int = 0,
+    ) -> None:
+        if len(entries) + len(supplement) < plan.target_prompts:
+            raise PolicyError(
+                f"step {plan.step}: {len(entries)} buffered and {len(supplement)} new prompts cannot "
+                f"fill {plan.target_prompts} groups"
+            )
+        self.plan = plan
+        self._entries = list(entries)
+        self._sampling = sampling
+        self._namespace = namespace
+        self._keep = keep_partial
+        self._pool = list(supplement)
+        self.supplemented = 0  # prompts of the pool launched (a prefix of it)
+        self._in_flight = in_flight
+        self._progress: dict[str, _Progress] = {}
+        self._owner: dict[str, str] = {}
+        self._order: list[str] = []  # launch order
+        self._complete: list[str] = []
+        self._handed_out = 0
+        self._cached: list[Completion] = []
+        self._discarded: list[Completion] = []
+        self._started = False
+
+    # -- launching --------------------------------------------------------------------------------
+    def _launch(self, prompt: Prompt, entry: BufferEntry) -> list[GenerationRequest]:
+        r0 = self.plan.target_responses
+        prog = _Progress(prompt, entry, set(), [])
+        self._progress[prompt.prompt_id] = prog
+        self._order.append(prompt.prompt_id)
+        for s in entry.finished:
+            prog.finished.append(s.as_completion(prompt.prompt_id))
+        reqs: list[GenerationRequest] = []
+        used = {s.sample_index for s in entry.samples}
+        resumed = list(entry.unfinished)
+        fresh = (j for j in range(10**6) if j not in used)
+        while len(prog.finished) + len(resumed) + len(reqs) < r0:
+            j = next(fresh)
+            reqs.append(self._request(prompt, j, None))
+        for s in resumed:
+            spec = self._sampling(prompt, s.sample_index)
+            if len(s.token_ids) >= spec.max_tokens:  # it was cut exactly at its length limit
+                done = dataclasses.replace(s, finish_reason=FinishReason.LENGTH)
+                prog.finished.append(done.as_completion(prompt.prompt_id))
+                continue
+            reqs.append(self._request(prompt, s.sample_index, s))
+        for r in reqs:
+            prog.live.add(r.request_id)
+            self._owner[r.request_id] = prompt.prompt_id
+        return reqs
+
+    def _request(self, prompt: Prompt, j: int, resume: CachedSample | None) -> GenerationRequest:
+        rid = request_id(self.plan.step, prompt.prompt_id, j, namespace=self._namespace)
+        spec = self._sampling(prompt, j)
+        if resume is None:
+            return GenerationRequest(request_id=rid, prompt=prompt, sample_index=j, sampling=spec)
+        return GenerationRequest(
+            request_id=rid,
+            prompt=prompt,
+            sample_index=j,
+            sampling=dataclasses.replace(spec, max_tokens=spec.max_tokens - len(resume.token_ids)),
+            prefix_token_ids=resume.token_ids,
+            prefix_logprobs=resume.logprobs,
+            prefix_versions=resume.versions,
+        )
+
+    def _supplement(self) -> list[GenerationRequest]:
+        out: list[GenerationRequest] = []
+        while not self.done and self._live() < self._in_flight and self.supplemented < len(self._pool):
+            p = self._pool[self.supplemented]
+            self.supplemented += 1
+            out.extend(self._launch(p, BufferEntry(p.prompt_id, self.plan.step)))
+            self._check_complete(p.prompt_id)
+        return out
+
+    def _live(self) -> int:
+        return len(self._owner)
+
+    def start(self) -> Actions:
+        if self._started:
+            raise PolicyError(f"step {self.plan.step}: round started twice")
+        self._started = True
+        reqs: list[GenerationRequest] = []
+        launched = [(p, e, self._launch(p, e)) for p, e in self._entries]
+        # Prompts complete from the cache are ready trajectories: shortest first (selective batching).
+        ready = sorted(
+            (p.prompt_id for p, _, _ in launched if self._ready(p.prompt_id)),
+            key=lambda pid: (_mean_len(self._progress[pid].finished), self._order.index(pid)),
+        )
+        for pid in ready:
+            self._check_complete(pid)
+        for _, _, rs in launched:
+            reqs.extend(rs)
+        if self.done:  # the cache alone filled the update: launch nothing, keep what waits
+            for r in reqs:
+                del self._owner[r.request_id]
+                self._progress[r.prompt.prompt_id].live.discard(r.request_id)
+            for p, e, _ in launched:
+                if p.prompt_id not in self._complete:
+                    self._cached.extend(s.as_completion(p.prompt_id) for s in e.unfinished)
+            return Actions()
+        reqs.extend(self._supplement())
+        return Actions(submit=tuple(reqs))
+
+    # -- observing --------------------------------------------------------------------------------
+    def _ready(self, pid: str) -> bool:
+        return len(self._progress[pid].finished) >= self.plan.target_responses
+
+    def _check_complete(self, pid: str) -> bool:
+        prog = self._progress[pid]
+        if prog.complete or self.done or not self._ready(pid):
+            return False
+        prog.complete = True
+        self._complete.append(pid)
+        return True
+
+    def observe(self, completion: Completion) -> Actions:
+        pid = self._owner.pop(completion.request_id, None)
+        if pid is None:
+            raise PolicyError(
+                f"step {self.plan.step}: completion for unknown or finished request {completion.request_id!r}"
+            )
+        prog = self._progress[pid]
+        prog.live.discard(completion.request_id)
+        if not completion.finish_reason.is_natural:
+            # interrupted: its tokens are resumed next step (partial modes) or thrown away
+            if self._keep and completion.num_tokens > 0:
+                self._cached.append(completion)
+            else:
+                self._discarded.append(completion)
+            return Actions()
+        prog.finished.append(completion)
+        if self._check_complete(pid) and self.done:
+            rest = tuple(sorted(self._owner))
+            return Actions(abort=rest)  # interruption: the update batch is full
+        if self.done:
+            return Actions()
+        return Actions(submit=tuple(self._supplement()))
+
+    @property
+    def done(self) -> bool:
+        return len(self._complete) >= self.plan.target_prompts
+
+    def take_completed(self) -> tuple[Group, ...]:
+        new = self._complete[self._handed_out :]
+        self._handed_out = len(self._complete)
+        return tuple(self._group(pid) for pid in new)
+
+    def _group(self, pid: str) -> Group:
+        prog = self._progress[pid]
+        return Group(prompt=prog.prompt, responses=tuple(prog.finished[: self.plan.target_responses]))
+
+    def result(self) -> RoundResult:
+        if not self.done:
+            raise PolicyError(
+                f"step {self.plan.step}: result asked for before the round is done "
+                f"({len(self._complete)}/{self.plan.target_prompts} prompts complete)"
+            )
+        if self._owner:
+            raise PolicyError(
+                f"step {self.plan.step}: {len(self._owner)} requests still running; the runtime must "
+                "apply every abort before asking for the result"
+            )
+        groups = sorted(
+            (self._group(pid) for pid in self._complete),
+            key=lambda g: (_mean_len(g.responses), self._order.index(g.prompt.prompt_id)),
+        )
+        trained = set(self._complete)
+        deferred = tuple(self._progress[pid].prompt for pid in self._order if pid not in trained)
+        cached = list(self._cached)
+        discarded = list(self._discarded)
+        for p in deferred:
+            for c in self._progress[p.prompt_id].finished:
+                if self._keep:
+                    cached.append(c)
+                elif c.num_tokens > c.resumed_tokens:
+                    discarded.append(c)
+        if not self._keep:
+            cached = []
+        return RoundResult(
+            plan=self.plan,
+            groups=tuple(groups),
+            deferred=deferred,
+            discarded=tuple(discarded),
+            cached=tuple(cached),
+        )
+
+
+def _mean_len(cs: Sequence[Completion]) -> float:
+    return sum(c.num_tokens for c in cs) / len(cs) if cs else 0.0
+
+
+def _rle(xs: Sequence[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for x in xs:
+        if out and out[-1][0] == x:
+            out[-1][1] += 1
+        else:
+            out.append([x, 1])
+    return out
+
+
+def _unrle(runs: Any) -> tuple[int, ...]:
+    out: list[int] = []
+    for v, n in runs:
+        if int(n) < 1:
+            raise ValueError(f"run length {n} < 1")
+        out.extend([int(v)] * int(n))
+    return tuple(out)
