@@ -71,16 +71,28 @@ def bench_rollout(
         str, typer.Option(help="`vllm` (real engine) or `fake` (simulated, for dry runs).")
     ] = "vllm",
     seed: Annotated[int, typer.Option(help="Seed for the preset trace and prompt tokens.")] = 0,
+    policies: Annotated[
+        str,
+        typer.Option(
+            help="Comma list of arms: sync, tail_batching, sorted, sorted_partial, partial "
+            "(sync and tail_batching always run: they are the baseline)."
+        ),
+    ] = "sync,tail_batching,sorted,sorted_partial,partial",
+    group_size: Annotated[
+        int, typer.Option(help="SortedRL group size n: update batches loaded into the buffer at once.")
+    ] = 4,
 ) -> None:
-    """Replay a length trace under sync and tail batching on one engine and compare them.
+    """Replay a length trace under every rollout policy on one engine and compare them.
 
     Every response is decoded at its traced length (ignore_eos, max_tokens = length), so the
-    scheduling effect is measured on real decoding. Reports rollout seconds per trained step,
-    speedup vs sync, bubble ratio (SortedRL eq. 4), rollout efficiency and token waste, plus the
-    engine's batch-scaling curve measured in the same run.
+    scheduling effect is measured on real decoding. Compares sync, tail batching, SortedRL
+    (on-policy and partial modes) and async partial rollout on the same trace; reports rollout
+    seconds per trained step, speedup vs sync, bubble ratio (SortedRL eq. 4, beside the SortedRL
+    paper's figures), off-policy lag, rollout efficiency and token waste, plus the engine's
+    batch-scaling curve measured in the same run.
     """
-    from rollpacker.bench.replay import BenchConfig, render_table, run_benchmark, write_report
-    from rollpacker.core.config import RolloutConfig
+    from rollpacker.bench.replay import BenchConfig, bench_policies, render_table, run_benchmark, write_report
+    from rollpacker.core.config import RolloutConfig, SortedConfig
 
     try:
         rc = RolloutConfig(
@@ -89,8 +101,9 @@ def bench_rollout(
             eta_p=eta_p,
             eta_r=eta_r,
             max_tokens=max_tokens,
+            sorted=SortedConfig(group_size=group_size),
         )
-        cfg = BenchConfig(rollout=rc, periods=periods, seed=seed)
+        cfg = BenchConfig(rollout=rc, periods=periods, seed=seed, policies=bench_policies(policies))
         records, source = _load_records(trace, preset, seed)
         longest_prompt = max(r.prompt_len for r in records)
         eng = _make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)

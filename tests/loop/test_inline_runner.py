@@ -135,3 +135,91 @@ validation: {{every: 100, max_tokens: 32}}
     drift = client.get_metric_history(run.info.run_id, "planner/drift")
     assert len(drift) == 2 and all(m.value >= 0 for m in drift)
     assert client.get_metric_history(run.info.run_id, "rollout/switches")
+
+
+def test_buffered_policies_and_the_one_off_mode_keep_their_caches_in_the_state(
+    s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SortedRL (partial mode), partial rollout and tail batching in the one-off pipeline, through
+    the stages: the rollout buffer and the pending batch live in the committed state, a second run
+    with fresh services (a restart) resumes from them, and the off-policy lag is logged."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from rollpacker.loop.experiment import run_experiment
+    from rollpacker.loop.runner import load_config
+    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.store.state_store import StateStore
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    db = tmp_path / "mlflow.db"
+    cfg_path = tmp_path / "policies.yaml"
+    body = f"""
+experiment: policies
+steps: {{steps}}
+arms:
+  - {{{{name: sorted_partial, policy: sorted, mode: partial}}}}
+  - partial
+  - {{{{name: tb_one_off, policy: tail_batching, one_off: true}}}}
+tracking_uri: sqlite:///{db}
+store: {{{{endpoint: "{s3.s3_endpoint}", bucket: {s3.bucket}}}}}
+task: {{{{name: synthetic_math, num_examples: 200, val_size: 8}}}}
+model: {{{{preset: tiny, warmup_steps: 200}}}}
+rollout: {{{{prompts_per_step: 4, responses_per_prompt: 2, max_tokens: 64,
+           sorted: {{{{group_size: 2}}}}, partial: {{{{in_flight: 16}}}}}}}}
+engine: {{{{max_num_seqs: 32, max_model_len: 200, kv_cache_gib: 1}}}}
+planner: {{{{profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}}}
+validation: {{{{every: 100, max_tokens: 32}}}}
+"""
+    cfg_path.write_text(body.format(steps=2))
+    out = run_experiment(cfg_path, runner="inline", start_services=False, echo=lambda s: None)
+    assert [(a.arm, a.committed_step, a.failures) for a in out.arms] == [
+        ("sorted_partial", 1, 0),
+        ("partial", 1, 0),
+        ("tb_one_off", 1, 0),
+    ]
+    cfg_path.write_text(body.format(steps=3))  # a new run: fresh services, state from the store
+    again = run_experiment(cfg_path, runner="inline", start_services=False, echo=lambda s: None)
+    assert all(a.steps_run == 1 and a.failures == 0 for a in again.arms)
+
+    cfg = load_config(cfg_path)
+    store = ObjectStore.from_config(cfg.store)
+
+    def states(arm: str) -> StateStore:
+        return StateStore(store, "policies", arm)
+
+    # SortedRL: a group of n * P0 = 8 prompts; step 0 trains 4 and buffers 4, step 1 trains those
+    s0 = states("sorted_partial").load(0)
+    assert len(s0.partial_cache) == 4
+    g1 = json.loads(states("sorted_partial").get_blob(1, "groups.json"))
+    assert sorted(g1["trained"]) == sorted(e["prompt_id"] for e in s0.partial_cache)
+    assert states("sorted_partial").load(1).partial_cache == ()  # the group is consumed: reload
+
+    # partial rollout: the step after the restart resumes exactly the committed cache
+    p1 = states("partial").load(1)
+    g2 = json.loads(states("partial").get_blob(2, "groups.json"))
+    assert set(g2["from_queue"]) == {e["prompt_id"] for e in p1.partial_cache}
+
+    # one-off: step 0 only rolls out; each later step trains the previous step's batch
+    one = states("tb_one_off")
+    assert [one.load(s).policy_version for s in (0, 1, 2)] == [0, 1, 2]
+    assert all(one.load(s).pending_batch_uri for s in (0, 1, 2))
+    assert len({k.split("/")[3] for k in store.list("policies/tb_one_off/batches/")}) <= 2
+
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("policies").experiment_id
+
+    def metric(arm: str, key: str) -> list[float]:
+        run = client.search_runs([exp], f"tags.`rollpacker.arm` = '{arm}'")[0]
+        return [
+            m.value for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        ]
+
+    # step 1 trains step 0's rollout from the same weights (no update at step 0): lag 0; from
+    # step 2 on, one update lies between sampling and training
+    assert metric("tb_one_off", "train/policy_lag") == [0.0, 1.0]
+    assert metric("partial", "train/behav_weight")  # the decoupled objective's importance weight
+    assert all(v == 0.0 for v in metric("sorted_partial", "rollout/tokens_wasted"))
+    assert len(metric("partial", "train/policy_lag")) == 3

@@ -31,6 +31,7 @@ class TrainSample:
     advantage: float
     reward: float
     policy_version: int = 0
+    token_versions: tuple[int, ...] = ()  # version that sampled each token (() = policy_version)
 
     def __post_init__(self) -> None:
         if not self.response_ids:
@@ -40,6 +41,15 @@ class TrainSample:
                 f"sample {self.sample_id!r}: {len(self.response_ids)} tokens but "
                 f"{len(self.behaviour_logprobs)} behaviour logprobs"
             )
+        if self.token_versions and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(
+                f"sample {self.sample_id!r}: {len(self.response_ids)} tokens but "
+                f"{len(self.token_versions)} token versions"
+            )
+
+    @property
+    def versions(self) -> tuple[int, ...]:
+        return self.token_versions or (self.policy_version,) * len(self.response_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +87,7 @@ def train_samples(
             advantage=a,
             reward=r,
             policy_version=c.policy_version,
+            token_versions=c.token_versions if c.resumed_tokens else (),
         )
         for c, r, a in zip(group.responses, rewards, adv, strict=True)
     )

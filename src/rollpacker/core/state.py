@@ -60,7 +60,9 @@ class ControllerState:
     cursor_epoch: int
     cursor_position: int
     long_queue: tuple[str, ...] = ()  # prompt ids, FIFO
-    partial_cache: tuple[dict[str, Any], ...] = ()  # cached partial responses (partial rollout)
+    # the rollout buffer of SortedRL / partial rollout: waiting prompts and their cached responses
+    # (``core.policies.buffered.BufferEntry.to_dict``)
+    partial_cache: tuple[dict[str, Any], ...] = ()
     tp_plan: TPPlan = field(default_factory=TPPlan)
     timeout_anchors: str = ""  # AdaptiveTimeout.to_json(), "" = none yet
     length_history: tuple[tuple[str, int], ...] = ()  # (prompt id, longest response) per trained prompt
@@ -68,6 +70,8 @@ class ControllerState:
     policy_version: int = 0
     profile_uri: str = ""
     profile_drift: float = 0.0  # last step: |predicted - measured| / measured decode time
+    # one-off pipeline: the rewarded samples of the last step, trained at the next one
+    pending_batch_uri: str = ""
     seed: int = 0
     trained_samples: int = 0
     trained_prompts: int = 0
@@ -131,7 +135,14 @@ class ControllerState:
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be an integer")
         if kw.get("step", 0) < -1:
             raise StateError(f"{where}: step {kw['step']} < -1 (-1 is the initial state)")
-        for name in ("experiment", "arm", "checkpoint_uri", "profile_uri", "timeout_anchors"):
+        for name in (
+            "experiment",
+            "arm",
+            "checkpoint_uri",
+            "profile_uri",
+            "timeout_anchors",
+            "pending_batch_uri",
+        ):
             if name in kw and not isinstance(kw[name], str):
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be a string")
         return cls(**kw)

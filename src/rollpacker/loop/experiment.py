@@ -88,10 +88,10 @@ def run_experiment(
     if text is None:
         raise ConfigError(f"config file {config_path} does not exist; see configs/experiment.yaml")
     cfg = load_config(config_path)
-    chosen = list(arms) if arms else [a.value for a in cfg.arms]
+    chosen = list(arms) if arms else cfg.arm_names
     for a in chosen:
-        if a not in [x.value for x in cfg.arms]:
-            raise ConfigError(f"--arm {a!r}: not in the config's arms {[x.value for x in cfg.arms]}")
+        if a not in cfg.arm_names:
+            raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
     started: Any = None
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)

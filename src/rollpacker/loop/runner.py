@@ -224,6 +224,13 @@ class RLRun:
         )
         ns = f"{name}"
         self.policy: RolloutPolicy
+        if r.policy in (PolicyName.SORTED, PolicyName.PARTIAL) or r.one_off:
+            raise ConfigError(
+                f"rollout.policy = {r.policy.value!r}{' with one_off' if r.one_off else ''}: the "
+                "single-process loop (`rollpacker train`) runs sync and tail_batching only; run the "
+                "buffered policies and the one-off mode through the pipeline (`rollpacker run`), "
+                "whose controller state keeps their caches"
+            )
         if r.policy is PolicyName.SYNC:
             self.policy = SyncPolicy(r, cursor, sampling, namespace=ns)
         else:

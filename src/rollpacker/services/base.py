@@ -6,13 +6,12 @@ step (weights, cursor, queue, timeout anchors) comes from the committed state a 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollpacker.core.config import ExperimentConfig, PolicyName
+from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import TaskExample, split
 from rollpacker.core.types import Prompt
@@ -20,19 +19,10 @@ from rollpacker.services.registry import ServiceRegistry, config_digest
 
 
 def arm_config(config_text: str, arm: str) -> ExperimentConfig:
-    """The experiment config from YAML text, with ``rollout.policy`` set to the arm's policy."""
+    """The experiment config from YAML text, as arm ``arm`` runs it (its policy and variant)."""
     from rollpacker.loop.runner import config_from_text
 
-    cfg = config_from_text(config_text)
-    try:
-        policy = PolicyName(arm)
-    except ValueError:
-        raise ConfigError(
-            f"arm {arm!r}: not a policy; use one of {', '.join(p.value for p in PolicyName)}"
-        ) from None
-    if policy not in cfg.arms:
-        raise ConfigError(f"arm {arm!r} is not in this config's arms {[a.value for a in cfg.arms]}")
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, policy=policy))
+    return config_from_text(config_text).for_arm(arm)
 
 
 @dataclass(frozen=True)

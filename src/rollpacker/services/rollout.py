@@ -196,24 +196,50 @@ class RolloutService(Service):
         return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir))
 
     def _policy(self, state: ControllerState, attempt: str) -> RolloutPolicy:
+        from rollpacker.core.policies.buffered import buffer_from_state
+        from rollpacker.core.policies.partial import PartialPolicy
+        from rollpacker.core.policies.sorted import SortedPolicy
         from rollpacker.core.policies.sync import SyncPolicy
         from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 
         data = self.data()
         r = self.cfg.rollout
+        in_flight = r.partial.in_flight or self._concurrency()
+        window = {
+            PolicyName.SORTED: r.sorted.group_size * r.prompts_per_step,
+            PolicyName.PARTIAL: r.prompts_per_step + in_flight,
+        }.get(r.policy, r.launched_prompts)
         cursor = PromptCursor(
             data.train_prompts,
             seed=state.cursor_seed,
             state=CursorState(state.cursor_seed, state.cursor_epoch, state.cursor_position),
-            window=r.launched_prompts,
+            window=min(window, len(data.train_prompts) // 2),
         )
         spec = SamplingSpec(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p)
         ns = f"{self.arm}/{attempt}"
+        by_id = data.by_id
         if r.policy is PolicyName.SYNC:
             return SyncPolicy(r, cursor, lambda _p, _j: spec, namespace=ns)
-        by_id = data.by_id
-        queue = LongPromptQueue(by_id[i] for i in state.long_queue)
-        return TailBatchingPolicy(r, cursor, lambda _p, _j: spec, queue=queue, namespace=ns)
+        if r.policy is PolicyName.TAIL_BATCHING:
+            queue = LongPromptQueue(by_id[i] for i in state.long_queue)
+            return TailBatchingPolicy(r, cursor, lambda _p, _j: spec, queue=queue, namespace=ns)
+        buffer = buffer_from_state(state.partial_cache, by_id.__contains__)
+        if r.policy is PolicyName.SORTED:
+            return SortedPolicy(r, cursor, lambda _p, _j: spec, by_id, buffer=buffer, namespace=ns)
+        return PartialPolicy(
+            r,
+            cursor,
+            lambda _p, _j: spec,
+            by_id,
+            in_flight=in_flight,
+            buffer=buffer,
+            policy_version=state.policy_version,
+            namespace=ns,
+        )
+
+    def _concurrency(self) -> int:
+        eng = self.engine
+        return int(eng.concurrency) if eng is not None else self.cfg.engine.max_num_seqs
 
     def plan(self, state_json: str, step: int) -> dict[str, Any]:
         state = ControllerState.from_json(state_json)
@@ -273,6 +299,7 @@ class RolloutService(Service):
             policy.commit(result)  # this attempt's policy object only: the next state's cursor/queue
             m = run.metrics
             queue = getattr(policy, "queue", None)
+            buffer = getattr(policy, "buffer", None)
             cur = policy.cursor.state  # type: ignore[attr-defined]
             lengths = [c.num_tokens for g in result.groups for c in g.responses]
             return {
@@ -289,8 +316,11 @@ class RolloutService(Service):
                 },
                 "next_cursor": asdict(cur),
                 "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
+                "next_buffer": [e.to_dict() for e in buffer] if buffer is not None else [],
                 "metrics": {
                     **m.logged(len(queue) if queue is not None else 0),
+                    "rollout/buffer_size": float(len(buffer or ())),
+                    "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
                     **layout_metrics,
                     **self._layout_metrics(),
                 },

@@ -5,6 +5,11 @@ accumulate at once; the training stage calls ``finish``, which waits for every g
 produced, takes the one deferred optimizer step, writes the checkpoint to the object store under
 an attempt-unique prefix, and pushes the new weights into the rollout engine in place.
 
+In the one-off pipeline (``rollout.one_off``, RollPacker 6.7) the groups of step t are held, not
+trained: ``finish`` writes them to the object store as the pending batch (the state points to it),
+and step t+1's ``begin`` streams that batch's gradients while step t+1 rolls out with the weights
+that sampled it; step t+1's update therefore trains tokens one version old.
+
 Invariants:
 - ``begin`` puts the trainer exactly at the committed state's checkpoint (weights, optimizer, RNG,
   policy version) and drops every gradient of an earlier attempt; a trainer that ran ahead of the
@@ -24,6 +29,7 @@ from typing import Any
 
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.metrics import policy_lag
 from rollpacker.core.state import ControllerState
 from rollpacker.services.base import Service
 
@@ -37,6 +43,9 @@ class TrainerService(Service):
         self._attempt = ""
         self._got: set[str] = set()
         self._samples = 0
+        self._versions: list[tuple[int, ...]] = []  # token versions of every sample trained
+        self._held: list[TrainSample] = []  # one-off: this step's samples, trained next step
+        self._pending = 0  # one-off: samples of the previous step being trained now
         self._cond = threading.Condition()
 
     def begin(self, attempt: str, state_json: str, base_uri: str) -> dict[str, Any]:
@@ -51,6 +60,9 @@ class TrainerService(Service):
             self._attempt = attempt
             self._got = set()
             self._samples = 0
+            self._versions = []
+            self._held = []
+            self._pending = 0
         if self.stream is not None:
             self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
             self.stream = None
@@ -77,7 +89,12 @@ class TrainerService(Service):
             )
         self.trainer._reset_accum()
         self.stream = StreamTrainer(self.trainer, stream=self.cfg.train.stream)
-        return {"seconds": time.perf_counter() - t0, "restored": restored}
+        if self.cfg.rollout.one_off and state.pending_batch_uri:
+            pending = load_batch(self.store(), state.pending_batch_uri)
+            self._pending = len(pending)
+            self._versions = [s.versions for s in pending]
+            self.stream.submit(pending)  # its gradients run while this step rolls out
+        return {"seconds": time.perf_counter() - t0, "restored": restored, "pending": self._pending}
 
     def submit(self, attempt: str, prompt_id: str, samples: list[TrainSample]) -> None:
         with self._cond:
@@ -87,11 +104,18 @@ class TrainerService(Service):
                 raise TrainerError(f"group {prompt_id!r} submitted twice in attempt {attempt}")
             self._got.add(prompt_id)
             self._samples += len(samples)
-            self.stream.submit(samples)
+            if self.cfg.rollout.one_off:
+                self._held.extend(samples)
+            else:
+                self._versions.extend(s.versions for s in samples)
+                self.stream.submit(samples)
             self._cond.notify_all()
 
-    def finish(self, attempt: str, step: int, expected: list[str], checkpoint_key: str) -> dict[str, Any]:
-        """The step's one optimizer update on exactly ``expected`` groups; checkpoint; weight push."""
+    def finish(
+        self, attempt: str, step: int, expected: list[str], checkpoint_key: str, batch_key: str = ""
+    ) -> dict[str, Any]:
+        """The step's one optimizer update on exactly ``expected`` groups (one-off: on the previous
+        step's, and ``expected`` are stored at ``batch_key`` for the next); checkpoint; weight push."""
         t0 = time.perf_counter()
         want = set(expected)
         timeout_s = self.cfg.services.call_timeout_s
@@ -108,6 +132,21 @@ class TrainerService(Service):
                 )
             samples = self._samples
         wait_s = time.perf_counter() - t0
+        out: dict[str, Any] = {}
+        if self.cfg.rollout.one_off:
+            if not batch_key:
+                raise TrainerError("one-off pipeline: finish needs the key to store the step's batch at")
+            out["pending_batch_uri"] = save_batch(self.store(), batch_key, self._held)
+            samples = self._pending
+            if not self._pending:  # the first step: nothing rolled out before it, no update
+                return {
+                    **out,
+                    "checkpoint_uri": self.checkpoint_uri,
+                    "policy_version": self.trainer.policy_version,
+                    "samples": 0,
+                    "metrics": {"train/wait_s": wait_s, "train/held_samples": float(len(self._held))},
+                }
+        lag = policy_lag(self._versions, self.trainer.policy_version)
         report = self.stream.finish()
         t_ck = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
@@ -121,10 +160,13 @@ class TrainerService(Service):
         sync_s = time.perf_counter() - t_sync
         st = report.stats
         return {
+            **out,
             "checkpoint_uri": uri,
             "policy_version": self.trainer.policy_version,
             "samples": samples,
             "metrics": {
+                **lag.logged("train"),
+                "train/behav_weight": st.behav_weight,
                 "train/time_s": report.finish_s,
                 "train/wait_s": wait_s,
                 "train/overlap_s": report.overlap_s,
@@ -143,3 +185,30 @@ class TrainerService(Service):
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+
+
+def save_batch(store: Any, key: str, samples: list[TrainSample]) -> str:
+    """Write rewarded samples (the one-off pipeline's pending batch) as JSON; returns the URI."""
+    return str(store.put_json(key, {"version": 1, "samples": [dataclasses.asdict(s) for s in samples]}))
+
+
+def load_batch(store: Any, uri: str) -> list[TrainSample]:
+    """The samples ``save_batch`` wrote; a malformed document is refused by name."""
+    doc = store.get_json(store.key_of(uri))
+    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("samples"), list):
+        raise TrainerError(f"{uri}: not a pending batch (version 1) written by the trainer service")
+    out = []
+    try:
+        for d in doc["samples"]:
+            out.append(
+                TrainSample(
+                    **{
+                        **d,
+                        **{k: tuple(d[k]) for k in ("prompt_ids", "response_ids", "behaviour_logprobs")},
+                        "token_versions": tuple(d.get("token_versions", ())),
+                    }
+                )
+            )
+    except (TypeError, ValueError, KeyError) as e:
+        raise TrainerError(f"{uri}: malformed sample in the pending batch ({e})") from e
+    return out

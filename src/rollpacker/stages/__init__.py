@@ -251,7 +251,8 @@ def train(config: str, plan: str, rollout: str, reward: str, judge: str) -> str:
     ctx.state_for(p)
     step, cfg = p["step"], ctx.cfg
     key = f"{ctx.prefix}/ckpt/step-{step:06d}-{p['attempt']}/"
-    out = ctx.services.get("trainer").call("finish", p["attempt"], step, r["trained"], key)
+    batch_key = f"{ctx.prefix}/batches/step-{step:06d}-{p['attempt']}/samples.json"
+    out = ctx.services.get("trainer").call("finish", p["attempt"], step, r["trained"], key, batch_key)
     _fault("train", step, delay_s=0.0)  # the nastiest point: trainer and engine ahead of the state
     out["val_s"] = 0.0
     if (step + 1) % cfg.validation.every == 0 or step == cfg.steps - 1:
@@ -288,6 +289,8 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
         cursor_epoch=r["next_cursor"]["epoch"],
         cursor_position=r["next_cursor"]["position"],
         long_queue=tuple(r["next_queue"]),
+        partial_cache=tuple(r.get("next_buffer", [])),
+        pending_batch_uri=tr.get("pending_batch_uri", ""),
         tp_plan=_next_tp_plan(
             ctx,
             state.tp_plan,
@@ -344,6 +347,7 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     _fault("commit", step, delay_s=0.0)  # committed, not yet in MLflow: the next plan repairs it
     _log_step(ctx, new, step, metrics, r["round_kind"], r["lengths"])
     _gc_checkpoints(ctx, keep={new.checkpoint_uri, state.checkpoint_uri})
+    _gc_batches(ctx, keep={new.pending_batch_uri, state.pending_batch_uri})
     return CommitOutput(json.dumps(summary), metrics)
 
 
@@ -482,6 +486,16 @@ def _gc_checkpoints(ctx: _Ctx, keep: set[str]) -> None:
         if d == "base" or key in keep_keys:
             continue
         ctx.store.delete_prefix(key + "/")
+
+
+def _gc_batches(ctx: _Ctx, keep: set[str]) -> None:
+    """Delete one-off pending batches that neither of the last two committed states points to."""
+    prefix = f"{ctx.prefix}/batches/"
+    keep_dirs = {ctx.store.key_of(u).rsplit("/", 1)[0] for u in keep if u}
+    dirs = {k[len(prefix) :].split("/", 1)[0] for k in ctx.store.list(prefix)}
+    for d in sorted(dirs):
+        if f"{prefix}{d}" not in keep_dirs:
+            ctx.store.delete_prefix(f"{prefix}{d}/")
 
 
 def run_step_inline(config: str, arm: str) -> CommitOutput:

@@ -48,6 +48,7 @@ class TrainStats:
     policy_version: int  # after the step
     seconds: float
     optimizer_steps: int = 1
+    behav_weight: float = 1.0  # decoupled PPO: mean pi_prox / pi_behav over tokens (1 with ppo)
 
 
 class Trainer(Protocol):

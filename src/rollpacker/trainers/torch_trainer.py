@@ -4,7 +4,16 @@ Per response token ``t`` of sample ``i`` (advantage ``A_i``, behaviour logprob `
 logprob ``p`` under ``logits / temperature``):
 
     ratio = exp(p - b)
-    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)
+    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)        (objective ppo)
+
+or, with the decoupled objective of partial rollout (AReaL; ``q`` = proximal logprob, the logprob
+under the weights the update starts from, taken without gradient):
+
+    l_pg  = -min(exp(p - b) * A_i, exp(q - b) * clip(exp(p - q), 1 - eps_low, 1 + eps_high) * A_i)
+
+The proximal policy is the current weights: every streamed gradient is computed before the one
+update, so ``q`` is the detached ``p`` of the same forward; the monolithic path with several
+mini-batches takes every sample's ``q`` before its first optimizer step.
     l_kl  = exp(q - p) - (q - p) - 1          (k3 estimator, q = reference logprob; kl_coef > 0)
     l     = l_pg + kl_coef * l_kl
 
@@ -98,6 +107,8 @@ class TorchTrainer:
         self.pad_id = int(self.model.config.pad_token_id or self.model.config.eos_token_id or 0)
         self.policy_version = 0
         self.optimizer_steps = 0
+        self.decoupled = cfg.objective == "decoupled_ppo"
+        self._prox: dict[str, list[float]] = {}  # sample id -> proximal logprobs (mini-batches)
         self._lock = threading.Lock()
         self._reset_accum()
 
@@ -108,6 +119,7 @@ class TorchTrainer:
         self._acc_clipped = 0.0
         self._acc_ratio = 0.0
         self._acc_kl = 0.0
+        self._acc_bw = 0.0
         self._acc_seconds = 0.0
         self.model.zero_grad(set_to_none=True)
 
@@ -128,6 +140,7 @@ class TorchTrainer:
                 self._acc_clipped += float(out["clipped"])
                 self._acc_ratio += float(out["ratio_sum"])
                 self._acc_kl += float(out["kl_sum"])
+                self._acc_bw += float(out["bw_sum"])
                 tokens += sum(s.num_tokens for s in mb)
             self._acc_lengths.extend(s.num_tokens for s in samples)
             self._acc_loss += loss_sum
@@ -166,6 +179,7 @@ class TorchTrainer:
                 kl=self._acc_kl / n_tok,
                 policy_version=self.policy_version,
                 seconds=self._acc_seconds + time.perf_counter() - t0,
+                behav_weight=self._acc_bw / n_tok,
             )
             self._reset_accum()
         return stats
@@ -178,10 +192,15 @@ class TorchTrainer:
             raise TrainerError("train_batch while streamed gradients are pending: finish_step first")
         k = min(self.cfg.mini_batches, len(samples))
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+        if self.decoupled and k > 1:  # the proximal policy is the weights before the first step
+            self._prox = dict(zip((s.sample_id for s in samples), self.logprobs(samples), strict=True))
         steps = []
-        for a, b in itertools.pairwise(bounds):
-            self.accumulate(samples[a:b])
-            steps.append(self.finish_step())
+        try:
+            for a, b in itertools.pairwise(bounds):
+                self.accumulate(samples[a:b])
+                steps.append(self.finish_step())
+        finally:
+            self._prox = {}
         n = len(steps)
         return TrainStats(
             samples=sum(s.samples for s in steps),
@@ -194,6 +213,7 @@ class TorchTrainer:
             policy_version=self.policy_version,
             seconds=sum(s.seconds for s in steps),
             optimizer_steps=n,
+            behav_weight=sum(s.behav_weight * s.tokens for s in steps) / sum(s.tokens for s in steps),
         )
 
     # -- the loss ---------------------------------------------------------------------------------
@@ -223,9 +243,25 @@ class TorchTrainer:
         w = torch.tensor(
             [token_weight(self.norm, s.num_tokens) for s in mb], dtype=logp.dtype, device=self.device
         )[:, None]
-        ratio = torch.exp(logp - behaviour)
-        clipped_ratio = ratio.clamp(1 - self.cfg.clip_eps_low, 1 + self.cfg.clip_eps_high)
-        pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        lo, hi = 1 - self.cfg.clip_eps_low, 1 + self.cfg.clip_eps_high
+        if self.decoupled:
+            if self._prox:
+                prox = torch.tensor(
+                    [self._prox[s.sample_id] + [0.0] * (width - s.num_tokens) for s in mb],
+                    dtype=logp.dtype,
+                    device=self.device,
+                )
+            else:  # streamed: no update before finish_step, so the current weights are proximal
+                prox = logp.detach()
+            bw = torch.exp(prox - behaviour)  # pi_prox / pi_behav, no gradient
+            ratio = torch.exp(logp - prox)
+            clipped_ratio = ratio.clamp(lo, hi)
+            pg = -torch.minimum(torch.exp(logp - behaviour) * adv, bw * clipped_ratio * adv)
+        else:
+            bw = torch.ones_like(logp)
+            ratio = torch.exp(logp - behaviour)
+            clipped_ratio = ratio.clamp(lo, hi)
+            pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
         per_tok = pg
         kl = torch.zeros_like(pg)
         if self.ref_model is not None:
@@ -239,7 +275,14 @@ class TorchTrainer:
             clipped = ((ratio != clipped_ratio) & (mask > 0)).sum()
             ratio_sum = (ratio * mask).sum()
             kl_sum = (kl * mask).sum()
-        return {"loss_sum": loss_sum, "clipped": clipped, "ratio_sum": ratio_sum, "kl_sum": kl_sum}
+            bw_sum = (bw * mask).sum()
+        return {
+            "loss_sum": loss_sum,
+            "clipped": clipped,
+            "ratio_sum": ratio_sum,
+            "kl_sum": kl_sum,
+            "bw_sum": bw_sum,
+        }
 
     @torch.no_grad()
     def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
