@@ -58,6 +58,8 @@ BUBBLE_KEY = "rollout/bubble_ratio"
 LONG_QUEUE_KEY = "rollout/long_queue_size"
 VAL_KEY = "val/accuracy"
 REWARD_KEY = "reward/mean"
+LAG_KEY = "train/policy_lag"  # token-weighted policy-version lag of the trained tokens
+OFF_POLICY_KEY = "train/off_policy_frac"
 ROUND_KINDS: tuple[str, ...] = ("standard", "short", "long")
 
 PLOT_FILES: tuple[str, ...] = ("plots/step_time.png", "plots/response_lengths.png", "plots/long_queue.png")
@@ -495,6 +497,8 @@ class ArmSummary:
     val_accuracy_first: float | None
     val_accuracy_final: float | None
     reward_mean_final: float | None
+    policy_lag_mean: float | None = None
+    off_policy_frac_mean: float | None = None
 
 
 @dataclass(frozen=True)
@@ -531,6 +535,8 @@ class CompareReport:
             (f"speedup {STEP_KEY}", [num(a.speedup_step, "{:.2f}x") for a in self.arms]),
             ("speedup rollout/time_s", [num(a.speedup_rollout, "{:.2f}x") for a in self.arms]),
             (f"{BUBBLE_KEY} mean", [num(a.bubble_ratio_mean, "{:.3f}") for a in self.arms]),
+            (f"{LAG_KEY} mean", [num(a.policy_lag_mean, "{:.3f}") for a in self.arms]),
+            (f"{OFF_POLICY_KEY} mean", [num(a.off_policy_frac_mean, "{:.3f}") for a in self.arms]),
             (f"{VAL_KEY} first", [num(a.val_accuracy_first, "{:.3f}") for a in self.arms]),
             (f"{VAL_KEY} final", [num(a.val_accuracy_final, "{:.3f}") for a in self.arms]),
             (f"{REWARD_KEY} final", [num(a.reward_mean_final, "{:.3f}") for a in self.arms]),
@@ -595,7 +601,7 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
         run = _oldest(rs)
         if len(rs) > 1:
             notes.append(f"arm {arm!r} has {len(rs)} live runs; using the oldest, {run.info.run_id}")
-        keys = (*STAGE_KEYS, STEP_KEY, BUBBLE_KEY, VAL_KEY, REWARD_KEY)
+        keys = (*STAGE_KEYS, STEP_KEY, BUBBLE_KEY, VAL_KEY, REWARD_KEY, LAG_KEY, OFF_POLICY_KEY)
         raw[arm] = (run, {k: _series(client.get_metric_history(run.info.run_id, k)) for k in keys})
 
     def mean_of(arm: str, key: str) -> float | None:
@@ -634,6 +640,8 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
                 val_accuracy_first=val[0][1] if val else None,
                 val_accuracy_final=val[-1][1] if val else None,
                 reward_mean_final=s[REWARD_KEY][-1][1] if s[REWARD_KEY] else None,
+                policy_lag_mean=mean_of(arm, LAG_KEY),
+                off_policy_frac_mean=mean_of(arm, OFF_POLICY_KEY),
             )
         )
     return CompareReport(experiment, tracking_uri, baseline, arms, notes)

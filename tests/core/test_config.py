@@ -70,3 +70,46 @@ def test_stream_trainer_needs_one_mini_batch():
     assert TrainerConfig(stream=False, mini_batches=2).mini_batches == 2
     with pytest.raises(ConfigError, match="loss_norm"):
         TrainerConfig(loss_norm="sum")
+
+
+def test_arms_are_policy_names_or_variants_and_errors_name_the_arm() -> None:
+    from rollpacker.core.config import ArmConfig, ExperimentConfig, PolicyName, SortedMode, from_mapping
+
+    cfg = from_mapping(
+        ExperimentConfig,
+        {
+            "arms": [
+                "sync",
+                {"name": "sorted_partial", "policy": "sorted", "mode": "partial"},
+                {"name": "tb-one-off", "policy": "tail_batching", "one_off": True},
+            ]
+        },
+    )
+    assert cfg.arms[0] == ArmConfig("sync", PolicyName.SYNC)
+    assert cfg.for_arm("sorted_partial").rollout.sorted.mode is SortedMode.PARTIAL
+    assert cfg.for_arm("sorted_partial").rollout.policy is PolicyName.SORTED
+    assert cfg.for_arm("tb-one-off").rollout.one_off and not cfg.for_arm("sync").rollout.one_off
+    bad = [
+        (["sortd"], "an arm is a policy name"),
+        ([{"name": "x", "policy": "sync", "mode": "partial"}], "only the sorted policy has modes"),
+        (["sync", {"name": "sync", "policy": "sorted"}], "distinct name"),
+        ([{"name": "Bad Name", "policy": "sync"}], "lowercase"),
+        ([{"name": "x", "policy": "sorted", "mode": "offpolicy"}], "on_policy"),
+        ([{"name": "x", "policy": "sorted", "group": 2}], "unknown config key"),
+    ]
+    for arms, msg in bad:
+        with pytest.raises(ConfigError, match=msg):
+            from_mapping(ExperimentConfig, {"arms": arms})
+    with pytest.raises(ConfigError, match="not in this config's arms"):
+        cfg.for_arm("partial")
+
+
+def test_policy_sub_configs_are_validated() -> None:
+    from rollpacker.core.config import RolloutConfig, TrainerConfig, from_mapping
+
+    with pytest.raises(ConfigError, match="rollout.sorted.group_size"):
+        from_mapping(RolloutConfig, {"sorted": {"group_size": 0}}, "rollout.")
+    with pytest.raises(ConfigError, match="rollout.partial.max_staleness"):
+        from_mapping(RolloutConfig, {"partial": {"max_staleness": -1}}, "rollout.")
+    with pytest.raises(ConfigError, match="train.objective"):
+        from_mapping(TrainerConfig, {"objective": "grpo"})

@@ -26,3 +26,17 @@ def test_the_planner_config_runs_layouts_with_switching() -> None:
     cfg = load_config(Path(__file__).parents[2] / "configs" / "planner.yaml")
     assert cfg.planner.devices == 2 and cfg.planner.switching
     assert cfg.experiment != load_config(Path(__file__).parents[2] / "configs" / "experiment.yaml").experiment
+
+
+def test_the_policies_config_has_every_policy_and_variant() -> None:
+    from rollpacker.core.config import PolicyName, SortedMode
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "policies.yaml")
+    assert {a.policy for a in cfg.arms} == set(PolicyName)
+    sorted_modes = {
+        cfg.for_arm(a.name).rollout.sorted.mode for a in cfg.arms if a.policy is PolicyName.SORTED
+    }
+    assert sorted_modes == set(SortedMode)
+    assert any(cfg.for_arm(a.name).rollout.one_off for a in cfg.arms)
+    assert cfg.for_arm("partial").train.objective == "decoupled_ppo"
+    assert cfg.for_arm("sorted").train.objective == "ppo"
