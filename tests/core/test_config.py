@@ -107,9 +107,9 @@ def test_arms_are_policy_names_or_variants_and_errors_name_the_arm() -> None:
 def test_policy_sub_configs_are_validated() -> None:
     from rollpacker.core.config import RolloutConfig, TrainerConfig, from_mapping
 
-    with pytest.raises(ConfigError, match="rollout.sorted.group_size"):
+    with pytest.raises(ConfigError, match=r"rollout\.sorted\.group_size"):
         from_mapping(RolloutConfig, {"sorted": {"group_size": 0}}, "rollout.")
-    with pytest.raises(ConfigError, match="rollout.partial.max_staleness"):
+    with pytest.raises(ConfigError, match=r"rollout\.partial\.max_staleness"):
         from_mapping(RolloutConfig, {"partial": {"max_staleness": -1}}, "rollout.")
-    with pytest.raises(ConfigError, match="train.objective"):
+    with pytest.raises(ConfigError, match=r"train\.objective"):
         from_mapping(TrainerConfig, {"objective": "grpo"})
