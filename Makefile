@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	touch $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests components pipelines
+	$(VENV)/bin/ruff check src tests components pipelines images manifests
 	$(VENV)/bin/ruff format --check src tests
 
 typecheck: setup
@@ -79,6 +79,33 @@ down: setup
 
 mlflow-ui: up
 	@echo "MLflow UI: http://127.0.0.1:5000   (stop the local services with: make down)"
+
+# Deployment (docs/operations.md, manifests/README.md, images/README.md).
+# `make images`: every images/<name>/Dockerfile with the first builder found (docker with a daemon,
+# podman, buildah; BUILDER=...), bases from images/versions.env (IMAGE_ARGS="--base PYTHON_BASE=..."),
+# tags from components/images.py. `make secrets`: the Secrets' env files (random, gitignored).
+# `make manifests OVERLAY=dev|gpu`: checks the overlay (schemas, images, references), then writes
+# build/manifests/<overlay>.yaml for `kubectl apply -f`. `make submit KFP_HOST=http://...`:
+# compile, upload to Kubeflow Pipelines, one run per arm of SUBMIT_CONFIG.
+.PHONY: images secrets manifests submit
+BUILDER ?=
+IMAGE_ARGS ?=
+OVERLAY ?= dev
+KFP_HOST ?=
+SUBMIT_CONFIG ?= manifests/experiment.yaml
+SUBMIT_ARGS ?=
+images: setup
+	$(PY) -m rollpacker.deploy images $(if $(BUILDER),--builder $(BUILDER)) $(IMAGE_ARGS)
+
+secrets: setup
+	$(PY) -m rollpacker.deploy secrets --out manifests/secrets
+
+manifests: secrets
+	$(PY) -m rollpacker.deploy render manifests/overlays/$(OVERLAY) --out build/manifests/$(OVERLAY).yaml
+
+submit: setup
+	@test -n "$(KFP_HOST)" || { echo "error: set KFP_HOST, e.g. make submit KFP_HOST=http://localhost:8888" >&2; exit 2; }
+	$(VENV)/bin/rollpacker submit --host $(KFP_HOST) --config $(SUBMIT_CONFIG) $(SUBMIT_ARGS)
 
 # Regenerate the lock from a fresh resolve (run by a developer, not CI).
 lock:

@@ -4,6 +4,7 @@
                                                                   \\-> judge ----------/      |
                                                                              controller-commit
 
+Every task's Kubernetes settings (resources, node pool, Secrets as env) come from pipelines/platform.py.
 Every task has caching off (a step reads and writes the arm's state, so two runs of the same
 inputs are different steps) and no retries. A step whose arm already reached ``config.steps`` gets
 ``plan.skip``; the stages then do nothing (``rollpacker.stages``), so the DAG needs no gate.
@@ -25,16 +26,18 @@ from components.sandbox_reward.component import sandbox_reward
 from components.training.component import training
 from kfp import dsl
 
+from pipelines.platform import on_cluster
+
 
 @dsl.pipeline(name="profile-if-needed", description="Profile the rollout engine when the plan asks.")
 def profile_if_needed(config: str, plan: str, need_profile: bool):
     with dsl.If(need_profile == True, name="need-profile"):  # noqa: E712 - a KFP condition, not Python
-        profiling(config=config, plan=plan).set_caching_options(False)
+        on_cluster(profiling(config=config, plan=plan).set_caching_options(False), "profiling")
 
 
 @dsl.pipeline(name="rl-step", description="One synchronous on-policy RL step of one arm.")
 def rl_step(config: str, arm: str):
-    plan = controller_plan(config=config, arm=arm).set_caching_options(False)
+    plan = on_cluster(controller_plan(config=config, arm=arm).set_caching_options(False), "controller")
     step_plan = plan.outputs["plan"]
     profile = profile_if_needed(
         config=config, plan=step_plan, need_profile=plan.outputs["need_profile"]
@@ -42,10 +45,13 @@ def rl_step(config: str, arm: str):
     roll = rollout(config=config, plan=step_plan).after(profile).set_caching_options(False)
     reward = sandbox_reward(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
     judged = judge(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
+    for task, component in ((roll, "rollout"), (reward, "sandbox_reward"), (judged, "judge")):
+        on_cluster(task, component)
     train = training(
         config=config, plan=step_plan, rollout=roll.output, reward=reward.output, judge=judged.output
     ).set_caching_options(False)
-    controller_commit(
+    on_cluster(train, "training")
+    commit = controller_commit(
         config=config,
         plan=step_plan,
         rollout=roll.output,
@@ -53,3 +59,4 @@ def rl_step(config: str, arm: str):
         judge=judged.output,
         train=train.output,
     ).set_caching_options(False)
+    on_cluster(commit, "controller")

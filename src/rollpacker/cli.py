@@ -11,6 +11,7 @@ rollpacker sandbox run --code a.py --tests t.py --json     # a program and its t
 rollpacker up / rollpacker down                            # local S3 store, MLflow server, Ray head
 rollpacker profile --config configs/experiment.yaml        # layouts x batch x context latency table
 rollpacker bench planner --profile build/profile.json      # fixed layouts vs planner vs PAT switching
+rollpacker submit --host http://localhost:8888            # compile, upload to KFP, one run per arm
 """
 
 from __future__ import annotations
@@ -736,6 +737,56 @@ def compile_cmd(
         return
     for p in paths:
         typer.echo(f"wrote {p}")
+
+
+@app.command("submit")
+def submit_cmd(
+    host: Annotated[
+        str, typer.Option(help="The KFP API's URL, e.g. http://localhost:8888 (a port-forward).")
+    ],
+    experiment: Annotated[
+        str, typer.Option(help="KFP experiment [default: the config's `experiment`].")
+    ] = "",
+    steps: Annotated[
+        int | None, typer.Option(help="RL steps chained in the run [default: the config's `steps`].")
+    ] = None,
+    config: Annotated[Path, typer.Option(help="Experiment YAML the runs get.")] = Path(
+        "manifests/experiment.yaml"
+    ),
+    arm: Annotated[list[str], typer.Option(help="Arm to run (repeatable) [default: every arm].")] = [],  # noqa: B006
+    set_: Annotated[list[str], typer.Option("--set", help="Override a config key (repeatable).")] = [],  # noqa: B006
+    namespace: Annotated[str, typer.Option(help="KFP namespace (multi-user KFP's profile).")] = "",
+    service_account: Annotated[str, typer.Option(help="Service account the runs' pods use.")] = (
+        "rollpacker-pipeline"
+    ),
+    pipeline_name: Annotated[
+        str, typer.Option(help="KFP pipeline to upload to.")
+    ] = "rollpacker-rl-experiment",
+    out: Annotated[Path, typer.Option(help="Where the compiled YAML goes.")] = Path("build"),
+) -> None:
+    """Compile rl_experiment, upload it to a Kubeflow Pipelines server and start one run per arm
+    (credentials: $KFP_TOKEN if the server wants a bearer token). docs/operations.md."""
+    import os
+
+    from rollpacker.submit import submit
+
+    try:
+        submit(
+            host,
+            config,
+            overrides=_parse_sets(set_),
+            experiment=experiment,
+            steps=steps,
+            arms=arm,
+            pipeline_name=pipeline_name,
+            namespace=namespace,
+            service_account=service_account,
+            out_dir=out,
+            token=os.environ.get("KFP_TOKEN", ""),
+            log=typer.echo,
+        )
+    except RollpackerError as e:
+        _fail(e)
 
 
 @app.command("up")

@@ -170,6 +170,10 @@ def run_arm_kfp(
             with _captured(console), warnings.catch_warnings():
                 # kfp.local warns on every task that the image name does not say "python"
                 warnings.filterwarnings("ignore", message=".*non-Python base image", category=RuntimeWarning)
+                # ... and that the Kubernetes settings (pipelines/platform.py) do nothing locally
+                warnings.filterwarnings(
+                    "ignore", message=".*no effect in the current local runner", category=UserWarning
+                )
                 pipeline(config=config_text, arm=arm)
         except Exception as e:
             console.flush()

@@ -43,7 +43,9 @@ def _sorted(cfg: RolloutConfig, prompts) -> SortedPolicy:
 
 def _partial(cfg: RolloutConfig, prompts, in_flight: int) -> PartialPolicy:
     cursor = PromptCursor(prompts, shuffle=False, epochs=1)
-    return PartialPolicy(cfg, cursor, replay_sampling(MAX_LEN, 0), {p.prompt_id: p for p in prompts}, in_flight)
+    return PartialPolicy(
+        cfg, cursor, replay_sampling(MAX_LEN, 0), {p.prompt_id: p for p in prompts}, in_flight
+    )
 
 
 def _run(pol, steps: int, concurrency: int = 32, restart_every: int = 0):

@@ -239,9 +239,7 @@ class TrainerConfig:
         if self.clip_eps_low >= 1:
             raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
         if self.objective not in ("auto", "ppo", "decoupled_ppo"):
-            raise ConfigError(
-                f"train.objective = {self.objective!r}: use 'auto', 'ppo' or 'decoupled_ppo'"
-            )
+            raise ConfigError(f"train.objective = {self.objective!r}: use 'auto', 'ppo' or 'decoupled_ppo'")
         if self.loss_norm not in ("token_mean", "seq_mean"):
             raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
         _positive_int("train.mini_batches", self.mini_batches)

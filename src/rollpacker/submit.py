@@ -1,0 +1,226 @@
+"""``rollpacker submit --host URL``: compile the experiment pipeline, upload it to a Kubeflow Pipelines
+server with ``kfp.Client`` and start one run per arm (the KFP-UI way, scripted).
+
+What it does, in order:
+1. checks the URL, that something answers at its host and port, and that it is the KFP API (its
+   health endpoint), each with a clear error rather than a retry loop;
+2. reads the experiment config (``--config``, ``--set`` overrides; the cluster's is
+   ``manifests/experiment.yaml``) and compiles ``rl_experiment`` with ``--steps`` (default: the
+   config's ``steps``) chained steps (``rollpacker.pipeline_compile``);
+3. uploads it as pipeline ``--pipeline-name`` (a new version if that pipeline exists);
+4. gets or creates the KFP experiment ``--experiment`` (default: the config's ``experiment``);
+5. starts one run per arm (``--arm``, default every arm of the config) with the parameters
+   ``config`` (the config's YAML text, overrides applied) and ``arm``, as ``--service-account``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+import urllib.parse
+import warnings
+from pathlib import Path
+from typing import Any
+
+from rollpacker.core.errors import RollpackerError
+
+DEFAULT_PIPELINE = "rollpacker-rl-experiment"
+DEFAULT_SERVICE_ACCOUNT = "rollpacker-pipeline"  # manifests/base/rbac
+
+
+class SubmitError(RollpackerError):
+    """The pipeline could not be submitted; the message says what to fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmittedRun:
+    arm: str
+    run_id: str
+    url: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    pipeline_id: str
+    version_id: str
+    experiment_id: str
+    package: Path
+    runs: tuple[SubmittedRun, ...]
+
+
+def check_host(host: str, timeout_s: float = 5.0) -> str:
+    """``host`` without a trailing slash, after checking it is an http(s) URL whose host:port accepts
+    a TCP connection."""
+    url = urllib.parse.urlsplit(host)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise SubmitError(
+            f"--host {host!r}: use the KFP API's URL with its scheme, e.g. http://localhost:8888 "
+            "(kubectl port-forward -n kubeflow svc/ml-pipeline-ui 8888:80)"
+        )
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError as e:
+        raise SubmitError(f"--host {host!r}: {e}") from e
+    try:
+        with socket.create_connection((url.hostname, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SubmitError(
+            f"--host {host!r}: nothing answers at {url.hostname}:{port} ({e}); is the KFP API reachable "
+            "from here (a port-forward running, the right port)?"
+        ) from e
+    return host.rstrip("/")
+
+
+def probe_api(host: str, token: str = "", timeout_s: float = 10.0) -> None:
+    """One GET of the KFP API's health endpoint, so that a wrong URL or missing credentials fail at
+    once with a clear message (kfp.Client retries its health check for ~25 s, then times out)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    url = f"{host}/apis/v2beta1/healthz"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            body = resp.read()
+    except urllib.error.HTTPError as e:
+        raise _kfp_error("the health check", host, e) from e
+    except (urllib.error.URLError, OSError) as e:
+        raise SubmitError(f"--host {host!r}: {url} did not answer ({getattr(e, 'reason', e)})") from e
+    try:
+        json.loads(body)
+    except ValueError as e:
+        raise SubmitError(
+            f"--host {host!r}: {url} answered, but not with JSON: not the KFP API, or a login page in front "
+            "of it (set KFP_TOKEN, or port-forward to the ml-pipeline-ui service inside the cluster)"
+        ) from e
+
+
+def config_text(path: Path, overrides: dict[str, Any] | None = None) -> tuple[str, Any]:
+    """The config's YAML text as the pipeline gets it (overrides applied) and the validated config."""
+    import yaml
+
+    from rollpacker.loop.runner import config_from_text, load_config
+
+    cfg = load_config(path, overrides)
+    if not overrides:
+        return path.read_text(), cfg
+    data = yaml.safe_load(path.read_text()) or {}
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    text = yaml.safe_dump(data, sort_keys=False)
+    config_from_text(text, where=f"{path} with overrides")  # the same validation the stages do
+    return text, cfg
+
+
+def _kfp_error(action: str, host: str, e: Exception) -> SubmitError:
+    status = getattr(e, "status", None) or getattr(e, "code", None)
+    body = getattr(e, "body", None) or (e.read().decode(errors="replace") if hasattr(e, "read") else str(e))
+    body = str(body).strip()
+    hint = {
+        401: "the server wants credentials (set KFP_TOKEN, or use a port-forward inside the cluster)",
+        403: "the credentials may not do this in that namespace (--namespace)",
+        404: f"{host} is not the KFP API (use the ml-pipeline-ui or ml-pipeline service's URL)",
+    }.get(status or 0, "see the server's answer above")
+    return SubmitError(f"{action} at {host} failed ({status or type(e).__name__}): {body[:500]}; {hint}")
+
+
+def submit(
+    host: str,
+    config: Path,
+    *,
+    overrides: dict[str, Any] | None = None,
+    experiment: str = "",
+    steps: int | None = None,
+    arms: list[str] | None = None,
+    pipeline_name: str = DEFAULT_PIPELINE,
+    namespace: str = "",
+    service_account: str = DEFAULT_SERVICE_ACCOUNT,
+    out_dir: Path = Path("build"),
+    token: str = "",
+    client_factory: Any = None,
+    log: Any = print,
+) -> Submission:
+    """Compile, upload and run (see the module docstring); returns the ids and run URLs."""
+    host = check_host(host)
+    text, cfg = config_text(config, overrides)
+    steps = cfg.steps if steps is None else steps
+    arms = list(arms or cfg.arm_names)
+    unknown = [a for a in arms if a not in cfg.arm_names]
+    if unknown:
+        raise SubmitError(f"--arm {unknown}: not arms of {config} (its arms: {cfg.arm_names})")
+    experiment = experiment or cfg.experiment
+    probe_api(host, token)
+
+    from rollpacker.pipeline_compile import compile_pipelines
+
+    package = next(p for p in compile_pipelines(out_dir, steps) if p.name == "rl_experiment.yaml")
+    log(f"compiled {package} ({steps} step{'s' if steps != 1 else ''})")
+
+    if client_factory is None:
+        import kfp
+
+        client_factory = kfp.Client
+    kwargs: dict[str, Any] = {"host": host}
+    if namespace:
+        kwargs["namespace"] = namespace
+    if token:
+        kwargs["existing_token"] = token
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    try:
+        with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": said in the docs
+            warnings.simplefilter("ignore", FutureWarning)
+            client = client_factory(**kwargs)
+        pipeline_id = client.get_pipeline_id(pipeline_name)
+        if pipeline_id is None:
+            pipeline = client.upload_pipeline(
+                str(package),
+                pipeline_name=pipeline_name,
+                description=f"rollpacker: {steps} RL steps of one arm",
+            )
+            pipeline_id = pipeline.pipeline_id
+            versions = client.list_pipeline_versions(pipeline_id, sort_by="created_at desc").pipeline_versions
+            if not versions:
+                raise SubmitError(f"pipeline {pipeline_name} ({pipeline_id}) was uploaded but has no version")
+            version_id = versions[0].pipeline_version_id
+            log(f"uploaded pipeline {pipeline_name} ({pipeline_id})")
+        else:
+            version = client.upload_pipeline_version(
+                str(package),
+                pipeline_version_name=f"{pipeline_name}-{steps}steps-{stamp}",
+                pipeline_id=pipeline_id,
+            )
+            version_id = version.pipeline_version_id
+            log(f"uploaded a new version of pipeline {pipeline_name} ({pipeline_id}, version {version_id})")
+        exp = client.create_experiment(name=experiment, namespace=namespace or None)
+        runs = []
+        for arm in arms:
+            run = client.run_pipeline(
+                experiment_id=exp.experiment_id,
+                job_name=f"{cfg.experiment}-{arm}-{stamp}",
+                params={"config": text, "arm": arm},
+                pipeline_id=pipeline_id,
+                version_id=version_id,
+                enable_caching=False,
+                service_account=service_account or None,
+            )
+            url = f"{host}/#/runs/details/{run.run_id}"
+            runs.append(SubmittedRun(arm=arm, run_id=run.run_id, url=url))
+            log(f"started run {run.run_id} (arm {arm}): {url}")
+    except SubmitError:
+        raise
+    except Exception as e:  # kfp_server_api.ApiException, urllib3 errors, ...
+        raise _kfp_error("talking to Kubeflow Pipelines", host, e) from e
+    return Submission(
+        pipeline_id=pipeline_id,
+        version_id=version_id,
+        experiment_id=exp.experiment_id,
+        package=package,
+        runs=tuple(runs),
+    )
