@@ -409,3 +409,22 @@ def test_cluster_experiment_config_loads_and_names_the_manifests_services(
     assert int(mlflow[1]) in ports[mlflow[0]]
     assert cfg.store.access_key_env == "ROLLPACKER_S3_ACCESS_KEY"  # the name pipelines/platform.py sets
     assert cfg.model.model_dir.startswith("/models/") and cfg.services.ray_address == ""
+
+
+def test_every_service_role_asks_for_a_resource_a_worker_group_offers(
+    rendered: dict[str, list[dict[str, Any]]], root: Path
+) -> None:
+    import json
+
+    from rollpacker.loop.runner import load_config
+    from rollpacker.services.registry import ROLE_RESOURCE, ROLES
+
+    assert load_config(root / "manifests" / "experiment.yaml").services.role_resources
+    for overlay, docs in rendered.items():
+        rc = _one(docs, "RayCluster")
+        offered = {
+            k
+            for g in rc["spec"]["workerGroupSpecs"]
+            for k in json.loads(json.loads(g["rayStartParams"]["resources"]))
+        }
+        assert {ROLE_RESOURCE[r] for r in ROLES} <= offered, overlay

@@ -392,6 +392,10 @@ class ServicesConfig:
     ray_address: str = ""  # "" = $RAY_ADDRESS, else the local head `rollpacker up` started
     namespace: str = "rollpacker"  # Ray namespace of the named, detached actors
     call_timeout_s: float = 1800.0  # longest a stage waits for one service call
+    # on a cluster: each actor asks for one unit of its worker group's custom resource
+    # (rollpacker_rollout / _training / _judge / _sandbox, manifests/base/ray/raycluster.yaml), so
+    # Ray places it on its role's pods; off on one machine, whose Ray head has no such resources
+    role_resources: bool = False
 
     def __post_init__(self) -> None:
         if not self.namespace:

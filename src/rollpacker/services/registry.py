@@ -39,6 +39,15 @@ def config_digest(config_text: str) -> str:
     return hashlib.sha256(config_text.encode()).hexdigest()[:16]
 
 
+# the RayCluster worker group (custom resource ``rollpacker_<group>``) each service role runs in
+ROLE_RESOURCE = {
+    "rollout": "rollpacker_rollout",
+    "trainer": "rollpacker_training",
+    "reward": "rollpacker_sandbox",
+    "judge": "rollpacker_judge",
+}
+
+
 def _service_class(role: str) -> type:
     if role == "rollout":
         from rollpacker.services.rollout import RolloutService
@@ -136,6 +145,7 @@ class ServiceRegistry:
         self.call_timeout_s = call_timeout_s
         self._handles: dict[str, Handle] = {}
         self.forward_env: tuple[str, ...] = ("ROLLPACKER_CACHE", "ROLLPACKER_LOCAL_SERVICES")
+        self.role_resources = False  # ask for the role's worker-group resource (services.role_resources)
 
     @classmethod
     def for_config(cls, config_text: str, cfg: Any, arm: str) -> ServiceRegistry:
@@ -150,6 +160,7 @@ class ServiceRegistry:
             call_timeout_s=cfg.services.call_timeout_s,
         )
         reg.forward_env += (cfg.store.access_key_env, cfg.store.secret_key_env)
+        reg.role_resources = bool(cfg.services.role_resources)
         return reg
 
     def name(self, role: str) -> str:
@@ -202,6 +213,8 @@ class ServiceRegistry:
             "max_concurrency": 16,
             "max_restarts": 0,
         }
+        if self.role_resources:
+            opts["resources"] = {ROLE_RESOURCE[role]: 1}
         env = {k: os.environ[k] for k in self.forward_env if os.environ.get(k)}
         if env:
             # the services reach the store with the credentials of the stage that created them
