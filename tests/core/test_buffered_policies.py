@@ -283,3 +283,21 @@ def test_policy_lag_is_token_weighted_and_refuses_future_tokens() -> None:
     assert policy_lag([], 4).mean == 0.0
     with pytest.raises(ValueError, match="ahead"):
         policy_lag([(6,)], 5)
+
+
+def test_partial_never_restarts_a_slow_response_and_trains_it_when_due() -> None:
+    """A response longer than the bound's worth of steps still gets trained: once its oldest token
+    is max_staleness versions old the prompt is due, is not interrupted again, and is trained."""
+    lens = [[60, 60]] + [[2, 2]] * 200
+    cfg = _cfg(2, 2, policy="partial", partial=PartialConfig(max_staleness=2))
+    pol = _partial(cfg, make_prompts(lens), in_flight=4)
+    runs = _run(pol, steps=6, concurrency=4)
+    steps_of = {g.prompt.prompt_id: rr.result.plan.step for rr in runs for g in rr.result.groups}
+    assert "p000" in steps_of, "the long prompt was never trained"
+    step = steps_of["p000"]
+    (long_group,) = [g for g in runs[step].result.groups if g.prompt.prompt_id == "p000"]
+    for c in long_group.responses:
+        assert c.num_tokens == 60  # resumed, never regenerated from scratch
+        assert min(c.token_versions) == 0 and step - min(c.token_versions) <= 2
+    assert step == 2  # first cached at step 0, due at step 2, trained there
+    assert sum(rr.metrics.tokens_wasted for rr in runs) == 0

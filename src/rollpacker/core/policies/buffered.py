@@ -252,6 +252,7 @@ class BufferedRound(Round):
         keep_partial: bool = False,
         supplement: Sequence[Prompt] = (),
         in_flight: int = 0,
+        due: Sequence[str] = (),
     ) -> None:
         if len(entries) + len(supplement) < plan.target_prompts:
             raise PolicyError(
@@ -269,7 +270,15 @@ class BufferedRound(Round):
         self._progress: dict[str, _Progress] = {}
         self._owner: dict[str, str] = {}
         self._order: list[str] = []  # launch order
-        self._complete: list[str] = []
+        self._complete: set[str] = set()  # prompts with R0 finished responses
+        self._selected: list[str] = []  # complete prompts in the update, in the order they completed
+        # Due prompts must finish in this step (the partial policy's staleness bound): never
+        # interrupted, trained first. The update takes the first P0 of them and fills the rest of
+        # its P0 slots with other prompts in completion order.
+        self._due = list(due)[: plan.target_prompts]
+        self._due_all = set(due)
+        self._quota = plan.target_prompts - len(self._due)
+        self._taken = 0  # non-due prompts selected
         self._handed_out = 0
         self._cached: list[Completion] = []
         self._discarded: list[Completion] = []
@@ -349,7 +358,7 @@ class BufferedRound(Round):
                 del self._owner[r.request_id]
                 self._progress[r.prompt.prompt_id].live.discard(r.request_id)
             for p, e, _ in launched:
-                if p.prompt_id not in self._complete:
+                if p.prompt_id not in self._selected:
                     self._cached.extend(s.as_completion(p.prompt_id) for s in e.unfinished)
             return Actions()
         reqs.extend(self._supplement())
@@ -360,12 +369,20 @@ class BufferedRound(Round):
         return len(self._progress[pid].finished) >= self.plan.target_responses
 
     def _check_complete(self, pid: str) -> bool:
+        """Mark ``pid`` complete if it is; True when that puts it in the update."""
         prog = self._progress[pid]
         if prog.complete or self.done or not self._ready(pid):
             return False
         prog.complete = True
-        self._complete.append(pid)
-        return True
+        self._complete.add(pid)
+        if pid in self._due:
+            self._selected.append(pid)
+            return True
+        if pid not in self._due_all and self._taken < self._quota:
+            self._taken += 1
+            self._selected.append(pid)
+            return True
+        return False  # complete, but the update is full: it waits in the buffer
 
     def observe(self, completion: Completion) -> Actions:
         pid = self._owner.pop(completion.request_id, None)
@@ -392,11 +409,11 @@ class BufferedRound(Round):
 
     @property
     def done(self) -> bool:
-        return len(self._complete) >= self.plan.target_prompts
+        return len(self._selected) >= self.plan.target_prompts
 
     def take_completed(self) -> tuple[Group, ...]:
-        new = self._complete[self._handed_out :]
-        self._handed_out = len(self._complete)
+        new = self._selected[self._handed_out :]
+        self._handed_out = len(self._selected)
         return tuple(self._group(pid) for pid in new)
 
     def _group(self, pid: str) -> Group:
@@ -407,7 +424,7 @@ class BufferedRound(Round):
         if not self.done:
             raise PolicyError(
                 f"step {self.plan.step}: result asked for before the round is done "
-                f"({len(self._complete)}/{self.plan.target_prompts} prompts complete)"
+                f"({len(self._selected)}/{self.plan.target_prompts} prompts of the update complete)"
             )
         if self._owner:
             raise PolicyError(
@@ -415,10 +432,10 @@ class BufferedRound(Round):
                 "apply every abort before asking for the result"
             )
         groups = sorted(
-            (self._group(pid) for pid in self._complete),
+            (self._group(pid) for pid in self._selected),
             key=lambda g: (_mean_len(g.responses), self._order.index(g.prompt.prompt_id)),
         )
-        trained = set(self._complete)
+        trained = set(self._selected)
         deferred = tuple(self._progress[pid].prompt for pid in self._order if pid not in trained)
         cached = list(self._cached)
         discarded = list(self._discarded)

@@ -10,14 +10,20 @@ Prompt manager priority (the recipe's ``get_scheduling_priority``, sorted ascend
 ``(unfinished samples, mean length of the finished samples (1e9 if none), max staleness)``, where a
 sample's staleness is the current policy version minus the version of its oldest token.
 
-Staleness bound: before a step, a cached sample staler than ``rollout.partial.max_staleness`` is
-dropped and regenerated, so no trained token lags the rollout's policy by more than the bound (one
-more in the one-off pipeline). The trainer corrects for the lag with the decoupled PPO objective
-(``train.objective: auto`` picks it for this policy).
+Staleness bound (``rollout.partial.max_staleness``, B): a cached prompt whose oldest token is B
+versions old is *due*: it is not interrupted again, the step waits for it, and the update trains it
+first. So no trained token lags the rollout's policy by more than B (one more in the one-off
+pipeline), and a prompt, once cached, is trained within B more steps: a long response is never
+restarted for being slow. Only if more than P0 prompts fall due at once do the extra ones miss the
+update; their samples are then past the bound at the next step and are dropped and regenerated
+(the safety net that keeps the bound strict). With B = 0 nothing cached is ever resumed (every
+interrupted sample is regenerated). The trainer corrects for the lag with the decoupled PPO
+objective (``train.objective: auto`` picks it for this policy).
 
 Invariants (tests/core/test_buffered_policies.py):
 - exactly ``P0`` groups of ``R0`` responses; resumed tokens keep their logprobs and versions;
 - every trained token's staleness is <= ``max_staleness``;
+- a due prompt is trained in the step it falls due (when at most P0 fall due at once);
 - drawn prompts == trained + cached, disjointly.
 """
 
@@ -50,6 +56,16 @@ def drop_stale(entry: BufferEntry, version: int, bound: int) -> BufferEntry:
     return entry if len(keep) == len(entry.samples) else dataclasses.replace(entry, samples=keep)
 
 
+def due_prompts(entries: list[BufferEntry], version: int, bound: int) -> list[str]:
+    """The cached prompts (in ``entries`` order) whose oldest token is ``bound`` versions old: one
+    more interruption would put it past the bound, so they finish in this step."""
+    return [
+        e.prompt_id
+        for e in entries
+        if bound > 0 and e.samples and max(s.staleness(version) for s in e.samples) >= bound
+    ]
+
+
 class PartialPolicy(RolloutPolicy):
     name = "partial"
 
@@ -75,6 +91,7 @@ class PartialPolicy(RolloutPolicy):
         self._sampling = sampling
         self.namespace = namespace
         self._planned: dict[int, tuple[list[BufferEntry], tuple[Prompt, ...], list[int]]] = {}
+        self._due: dict[int, list[str]] = {}
 
     @property
     def pool_size(self) -> int:
@@ -89,6 +106,7 @@ class PartialPolicy(RolloutPolicy):
         cached.sort(key=lambda e: scheduling_priority(e, self.policy_version, r0))
         pool, ends = draw_excluding(self.cursor, self.pool_size, {e.prompt_id for e in cached})
         self._planned[step] = (cached, pool, ends)
+        self._due[step] = due_prompts(cached, self.policy_version, bound)
         return StepPlan(
             step=step,
             round_kind=RoundKind.PARTIAL,
@@ -111,6 +129,7 @@ class PartialPolicy(RolloutPolicy):
             keep_partial=True,
             supplement=pool,
             in_flight=self.in_flight,
+            due=self._due[plan.step],
         )
 
     def commit(self, result: RoundResult) -> None:
@@ -119,6 +138,7 @@ class PartialPolicy(RolloutPolicy):
         if step not in self._planned:
             raise PolicyError(f"step {step}: commit a round only for a step this policy planned")
         cached, pool, ends = self._planned.pop(step)
+        self._due.pop(step, None)
         launched = {g.prompt.prompt_id for g in result.groups} | {p.prompt_id for p in result.deferred}
         used = [p.prompt_id in launched for p in pool]
         k = sum(used)
