@@ -16,7 +16,9 @@ Invariants (tests/core/test_buffered_policies.py):
   response is the cached prefix followed by what the engine added, token for token;
 - every launched prompt is trained or back in the buffer, never both, never neither;
 - without ``keep_partial`` every trained token was sampled in this round (no older policy);
-- a group's responses are listed in the update in ascending mean length (selective batching).
+- a group's responses are listed in the update in ascending mean length (selective batching);
+- ``due`` prompts (the partial policy's staleness bound) are never interrupted: the round ends only
+  when the first ``P0`` of them are complete, and they take the update's first slots.
 """
 
 from __future__ import annotations
