@@ -316,7 +316,9 @@ class RolloutService(Service):
                 },
                 "next_cursor": asdict(cur),
                 "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
-                "next_buffer": [e.to_dict() for e in buffer] if buffer is not None else [],
+                # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it
+                # goes to the store, and the commit copies it into the state document
+                "next_buffer_uri": self._put_buffer(step, attempt, buffer) if buffer else "",
                 "metrics": {
                     **m.logged(len(queue) if queue is not None else 0),
                     "rollout/buffer_size": float(len(buffer or ())),
@@ -325,6 +327,10 @@ class RolloutService(Service):
                     **self._layout_metrics(),
                 },
             }
+
+    def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
+        key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
+        return str(self.store().put_json(key, {"entries": [e.to_dict() for e in buffer]}))
 
     def _drain_engine(self) -> None:
         live = self.engine.live_request_ids()

@@ -289,7 +289,7 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
         cursor_epoch=r["next_cursor"]["epoch"],
         cursor_position=r["next_cursor"]["position"],
         long_queue=tuple(r["next_queue"]),
-        partial_cache=tuple(r.get("next_buffer", [])),
+        partial_cache=_buffer_of(ctx, r.get("next_buffer_uri", "")),
         pending_batch_uri=tr.get("pending_batch_uri", ""),
         tp_plan=_next_tp_plan(
             ctx,
@@ -348,6 +348,7 @@ def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train:
     _log_step(ctx, new, step, metrics, r["round_kind"], r["lengths"])
     _gc_checkpoints(ctx, keep={new.checkpoint_uri, state.checkpoint_uri})
     _gc_batches(ctx, keep={new.pending_batch_uri, state.pending_batch_uri})
+    ctx.store.delete_prefix(f"{ctx.prefix}/buffers/")  # copied into the state document
     return CommitOutput(json.dumps(summary), metrics)
 
 
@@ -486,6 +487,16 @@ def _gc_checkpoints(ctx: _Ctx, keep: set[str]) -> None:
         if d == "base" or key in keep_keys:
             continue
         ctx.store.delete_prefix(key + "/")
+
+
+def _buffer_of(ctx: _Ctx, uri: str) -> tuple[dict[str, Any], ...]:
+    """The rollout buffer the rollout service stored for this attempt (empty without one)."""
+    if not uri:
+        return ()
+    doc = ctx.store.get_json(ctx.store.key_of(uri))
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
+        raise StateError(f"{uri}: not a rollout buffer written by the rollout service")
+    return tuple(doc["entries"])
 
 
 def _gc_batches(ctx: _Ctx, keep: set[str]) -> None:
