@@ -301,3 +301,21 @@ def test_partial_never_restarts_a_slow_response_and_trains_it_when_due() -> None
         assert min(c.token_versions) == 0 and step - min(c.token_versions) <= 2
     assert step == 2  # first cached at step 0, due at step 2, trained there
     assert sum(rr.metrics.tokens_wasted for rr in runs) == 0
+
+
+def test_groups_complete_from_the_cache_reach_the_stream_even_without_an_engine_step() -> None:
+    """A step whose update the cache alone fills runs no engine step; its groups must still be
+    handed to the rewards and the trainer (the pipeline's drain waits for them)."""
+    prompts = make_prompts([[3, 3]] * 6)
+    by_id = {p.prompt_id: p for p in prompts}
+    done = tuple(
+        BufferEntry(p.prompt_id, 0, (_sample(0, 3, 1, True), _sample(1, 4, 1, True))) for p in prompts[:2]
+    )
+    cfg = _cfg(2, 2, policy="partial")
+    pol = PartialPolicy(
+        cfg, PromptCursor(prompts[2:], shuffle=False), replay_sampling(MAX_LEN, 0), by_id, 2, list(done), 1
+    )
+    got = []
+    rr = run_round(FakeEngine(), pol.open_round(pol.plan_step(1)), policy_version=1, on_group=got.append)
+    assert not rr.steps and sorted(g.prompt.prompt_id for g in got) == ["p000", "p001"]
+    assert {g.prompt.prompt_id for g in rr.result.groups} == {"p000", "p001"}

@@ -16,9 +16,10 @@ partial mode) and ``partial`` (async partial rollout) on the same trace and the 
   run ``N`` rounded *up* to a whole number of SortedRL groups (``n = rollout.sorted.group_size``
   steps each) when the trace holds that many groups of ``n * P0`` prompts, else ``N``: a sorted arm
   stopped inside a group would leave its longest prompts untrained in the buffer and look better
-  than it is. Partial rollout runs ``N`` steps (its cache is never empty; what is left cached at the
-  end is reported as ``tokens_left_cached``). Any arm stops early, marked ``trace_used_up``, when the
-  trace cannot fill its next step.
+  than it is. Partial rollout runs ``N`` steps with ``rollout.partial.in_flight`` requests running
+  (0 = the engine's concurrency Q); its cache is never empty, and what is left cached at the end is
+  reported as ``tokens_left_cached``. Any arm stops early, marked ``trace_used_up``, when the trace
+  cannot fill its next step (partial rollout needs ``P0 + in_flight`` unread prompts to plan one).
 
 The policy version is bumped once per step (one update per RL step), so the token-weighted
 off-policy lag of the trained tokens (``policy_lag`` mean / max, ``off_policy_frac``) is the real

@@ -88,7 +88,13 @@ def run_round(
                         rnd.observe(_completion(st, FinishReason.ABORT, policy_version, engine.now()))
                     )
 
+    def hand_out() -> None:
+        if on_group is not None:
+            for g in rnd.take_completed():
+                on_group(g)
+
     apply(rnd.start())
+    hand_out()  # groups complete from a policy's cache are final before any engine step
     while not rnd.done:
         if not engine.has_unfinished():
             raise EngineError(
@@ -114,9 +120,7 @@ def run_round(
                 if on_response is not None:
                     on_response(done)
                 apply(rnd.observe(done))
-                if on_group is not None:
-                    for g in rnd.take_completed():
-                        on_group(g)
+                hand_out()
         if on_step is not None:
             on_step(stats, completed)
     if live:
