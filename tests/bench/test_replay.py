@@ -14,7 +14,7 @@ from rollpacker.bench.replay import (
     run_benchmark,
 )
 from rollpacker.cli import app
-from rollpacker.core.config import RolloutConfig
+from rollpacker.core.config import PartialConfig, RolloutConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.trace import PRESETS, generate
 from rollpacker.engines.fake import FakeEngine
@@ -22,9 +22,12 @@ from rollpacker.engines.fake import FakeEngine
 P0, R0, N_GROUP = 8, 4, 4
 
 
-def _bench(per_seq_s: float, concurrency: int = 64):
+def _bench(per_seq_s: float, concurrency: int = 64, in_flight: int = 0):
     eng = FakeEngine(concurrency=concurrency, base_s=0.003, per_seq_s=per_seq_s)
-    cfg = BenchConfig(RolloutConfig(prompts_per_step=P0, responses_per_prompt=R0), periods=2)
+    rc = RolloutConfig(
+        prompts_per_step=P0, responses_per_prompt=R0, partial=PartialConfig(in_flight=in_flight)
+    )
+    cfg = BenchConfig(rc, periods=2)
     return run_benchmark(eng, generate(PRESETS["smoke"], seed=1), cfg, source="smoke")
 
 
@@ -126,8 +129,8 @@ def test_sorted_and_partial_fill_a_memory_bound_engine_better_than_sync(five) ->
 
 
 def test_an_arm_that_runs_out_of_trace_stops_and_says_so() -> None:
-    # Q = 64: partial rollout draws P0 + 64 prompts per step and the 128-prompt trace runs out
-    rep = _bench(0.0, concurrency=64)
+    # 64 in flight: partial rollout draws P0 + 64 prompts per step and the 128-prompt trace runs out
+    rep = _bench(0.0, concurrency=64, in_flight=64)
     pr = rep["policies"]["partial"]
     assert pr["trace_used_up"] is True and 0 < pr["steps"] < rep["policies"]["tail_batching"]["steps"]
     assert all(m["groups"] == P0 for m in rep["per_step"]["partial"])
@@ -191,7 +194,8 @@ def test_cli_compares_all_five_policies_by_default_and_writes_the_new_keys(tmp_p
     rep = json.loads(out.read_text())
     assert rep["config"]["policies"] == list(ALL_POLICIES)  # report order (the JSON sorts its keys)
     assert set(rep["policies"]) == set(rep["per_step"]) == set(ALL_POLICIES)
-    assert rep["config"]["group_size"] == 2 and rep["config"]["partial_in_flight"] == 16
+    # partial keeps one update (P0 x R0 = 8 requests, within Q = 16) in flight by default
+    assert rep["config"]["group_size"] == 2 and rep["config"]["partial_in_flight"] == 8
     new = {
         "policy_lag",
         "policy_lag_max",

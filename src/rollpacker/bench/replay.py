@@ -343,7 +343,7 @@ def run_benchmark(
     groups = -(-n_steps // n)
     whole = groups * n * rc.prompts_per_step <= len(prompts)
     sorted_steps = groups * n if whole else n_steps
-    in_flight = rc.partial.in_flight or engine.concurrency
+    in_flight = rc.partial.in_flight or min(engine.concurrency, rc.prompts_per_step * rc.responses_per_prompt)
     for name in cfg.policies:
         if name in runs:
             continue

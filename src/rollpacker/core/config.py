@@ -53,7 +53,10 @@ class PartialConfig:
     """Async partial rollout (paper 004): supplementation, interruption, cached partial samples."""
 
     max_staleness: int = 2  # a cached sample older than this many policy versions is regenerated
-    in_flight: int = 0  # requests kept running by supplementation; 0 = the engine's max_num_seqs
+    # requests supplementation keeps running; 0 = one update's worth (P0 x R0) within the engine's
+    # max_num_seqs. More than that starts prompts faster than updates train them: more of them fall
+    # due at once than one update holds, and their samples are regenerated (docs/policies.md)
+    in_flight: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_staleness", "in_flight"):

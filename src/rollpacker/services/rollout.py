@@ -204,7 +204,9 @@ class RolloutService(Service):
 
         data = self.data()
         r = self.cfg.rollout
-        in_flight = r.partial.in_flight or self._concurrency()
+        in_flight = r.partial.in_flight or min(
+            self._concurrency(), r.prompts_per_step * r.responses_per_prompt
+        )
         window = {
             PolicyName.SORTED: r.sorted.group_size * r.prompts_per_step,
             PolicyName.PARTIAL: r.prompts_per_step + in_flight,

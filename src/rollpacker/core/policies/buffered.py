@@ -330,7 +330,14 @@ class BufferedRound(Round):
 
     def _supplement(self) -> list[GenerationRequest]:
         out: list[GenerationRequest] = []
-        while not self.done and self._live() < self._in_flight and self.supplemented < len(self._pool):
+        # only while the update still has free slots: a prompt launched after them could only
+        # complete into the buffer (the round may run on for due prompts alone)
+        while (
+            not self.done
+            and self._taken < self._quota
+            and self._live() < self._in_flight
+            and self.supplemented < len(self._pool)
+        ):
             p = self._pool[self.supplemented]
             self.supplemented += 1
             out.extend(self._launch(p, BufferEntry(p.prompt_id, self.plan.step)))
