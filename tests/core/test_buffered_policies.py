@@ -301,6 +301,8 @@ def test_partial_never_restarts_a_slow_response_and_trains_it_when_due() -> None
         assert min(c.token_versions) == 0 and step - min(c.token_versions) <= 2
     assert step == 2  # first cached at step 0, due at step 2, trained there
     assert sum(rr.metrics.tokens_wasted for rr in runs) == 0
+    # while the step waits for the due prompt, no prompt is started that the full update cannot take
+    assert all(len(rr.result.deferred) <= 2 for rr in runs)
 
 
 def test_groups_complete_from_the_cache_reach_the_stream_even_without_an_engine_step() -> None:
