@@ -224,6 +224,21 @@ def test_compare_means_speedup_and_accuracies(uri, request) -> None:
     assert back["arms"][1]["speedup_step"] == pytest.approx(2.0)
 
 
+def test_compare_shows_the_off_policy_lag_of_each_arm(uri, request) -> None:
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    _fill_arm(tr, "sync", step_s=10.0, rollout_s=8.0)
+    part = _fill_arm(tr, "partial", step_s=6.0, rollout_s=3.0)
+    for step, lag in ((1, 0.5), (2, 1.0), (3, 1.5)):
+        tr.log_step(part, step, {"train/policy_lag": lag, "train/off_policy_frac": lag / 2})
+    r = compare(uri, exp)
+    assert r.arm("partial").policy_lag_mean == pytest.approx(1.0)
+    assert r.arm("partial").off_policy_frac_mean == pytest.approx(0.5)
+    assert r.arm("sync").policy_lag_mean is None  # not logged: shown as "-", not as 0
+    table = r.render()
+    assert "train/policy_lag mean" in table and "1.000" in table
+
+
 def test_compare_without_the_baseline_arm_omits_speedups(uri, request) -> None:
     exp = _exp(request)
     tr = ExperimentTracker(uri, exp)
