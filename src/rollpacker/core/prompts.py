@@ -141,6 +141,35 @@ class PromptCursor:
             pos += 1
         return tuple(out)
 
+    def draw_excluding(
+        self, n: int, skip: set[str], held_in: str = "the rollout buffer"
+    ) -> tuple[tuple[Prompt, ...], list[int]]:
+        """The next ``n`` distinct prompts that are not in ``skip`` (prompts a policy holds: on a
+        small dataset one comes round again in the next epoch; that draw is skipped, i.e.
+        consumed), and for each its position + 1 (how far ``advance`` moves if a round uses the
+        prompts up to it). Does not move the cursor."""
+        if n == 0:
+            return (), []
+        k = n
+        while True:
+            picked: list[Prompt] = []
+            ends: list[int] = []
+            seen = set(skip)
+            for pos, p in enumerate(self.peek(k)):
+                if p.prompt_id in seen:
+                    continue
+                seen.add(p.prompt_id)
+                picked.append(p)
+                ends.append(pos + 1)
+                if len(picked) == n:
+                    return tuple(picked), ends
+            if k > 4 * n + 2 * len(skip):
+                raise PolicyError(
+                    f"cannot draw {n} prompts that are not in {held_in} ({len(skip)} are): the "
+                    "dataset is too small for this step size"
+                )
+            k += n
+
     def advance(self, n: int) -> None:
         """Consume ``n`` prompts (after a round that used them is committed)."""
         self.peek(n)  # raises if they are not there

@@ -30,7 +30,6 @@ from typing import Any
 
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.policies.base import Round, SamplingFactory
-from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import (
     Actions,
     Completion,
@@ -204,33 +203,6 @@ def buffer_after(result: RoundResult, entries: Sequence[BufferEntry], step: int)
             f"step {step}: responses cached for prompts {sorted(kept)[:3]} that were not deferred"
         )
     return out
-
-
-def draw_excluding(cursor: PromptCursor, n: int, skip: set[str]) -> tuple[tuple[Prompt, ...], list[int]]:
-    """The next ``n`` cursor prompts that are not in ``skip`` (on a small dataset a buffered prompt
-    comes round again in the next epoch; that draw is skipped, i.e. consumed), and for each its
-    cursor position + 1 (how far the cursor moves if the round uses prompts up to it)."""
-    k = max(n, 1)
-    while True:
-        picked: list[Prompt] = []
-        ends: list[int] = []
-        seen = set(skip)
-        for pos, p in enumerate(cursor.peek(k)):
-            if p.prompt_id in seen:
-                continue
-            seen.add(p.prompt_id)
-            picked.append(p)
-            ends.append(pos + 1)
-            if len(picked) == n:
-                return tuple(picked), ends
-        if n == 0:
-            return (), []
-        if k > 4 * n + 2 * len(skip):
-            raise PolicyError(
-                f"cannot draw {n} prompts that are not in the rollout buffer ({len(skip)} are): the "
-                "dataset is too small for this step size"
-            )
-        k += n
 
 
 @dataclass

@@ -34,7 +34,7 @@ import dataclasses
 from rollpacker.core.config import RolloutConfig
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.policies.base import RolloutPolicy, Round, SamplingFactory, check_result
-from rollpacker.core.policies.buffered import BufferedRound, BufferEntry, buffer_after, draw_excluding
+from rollpacker.core.policies.buffered import BufferedRound, BufferEntry, buffer_after
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, RoundResult, StepPlan
 
@@ -104,7 +104,7 @@ class PartialPolicy(RolloutPolicy):
         bound = self.cfg.partial.max_staleness
         cached = [drop_stale(e, self.policy_version, bound) for e in self.buffer]
         cached.sort(key=lambda e: scheduling_priority(e, self.policy_version, r0))
-        pool, ends = draw_excluding(self.cursor, self.pool_size, {e.prompt_id for e in cached})
+        pool, ends = self.cursor.draw_excluding(self.pool_size, {e.prompt_id for e in cached})
         self._planned[step] = (cached, pool, ends)
         self._due[step] = due_prompts(cached, self.policy_version, bound)
         return StepPlan(

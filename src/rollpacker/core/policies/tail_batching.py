@@ -53,23 +53,8 @@ class TailBatchingPolicy(RolloutPolicy):
         """The next ``n`` distinct prompts that are not waiting in the long-prompt queue, and how
         many cursor positions they take (skipped draws included)."""
         skip = {p.prompt_id for p in self.queue.snapshot()}
-        k = n
-        while True:
-            picked: list[Prompt] = []
-            for pos, p in enumerate(self.cursor.peek(k)):
-                if p.prompt_id in skip:
-                    continue
-                skip.add(p.prompt_id)
-                picked.append(p)
-                if len(picked) == n:
-                    return tuple(picked), pos + 1
-            skip = {p.prompt_id for p in self.queue.snapshot()}
-            if k > 4 * n + 2 * len(skip):
-                raise PolicyError(
-                    f"cannot draw {n} prompts that are not waiting in the long-prompt queue "
-                    f"({len(skip)} wait there): the dataset is too small for this step size"
-                )
-            k += n
+        picked, ends = self.cursor.draw_excluding(n, skip, "the long-prompt queue")
+        return picked, ends[-1]
 
     def plan_step(self, step: int) -> StepPlan:
         p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt
