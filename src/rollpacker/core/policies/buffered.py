@@ -241,9 +241,9 @@ class BufferedRound(Round):
         self._pool = list(supplement)
         self.supplemented = 0  # prompts of the pool launched (a prefix of it)
         self._in_flight = in_flight
-        self._progress: dict[str, _Progress] = {}
+        self._progress: dict[str, _Progress] = {}  # in launch order
+        self._ranks: dict[str, int] | None = None
         self._owner: dict[str, str] = {}
-        self._order: list[str] = []  # launch order
         self._complete: set[str] = set()  # prompts with R0 finished responses
         self._selected: list[str] = []  # complete prompts in the update, in the order they completed
         # Due prompts must finish in this step (the partial policy's staleness bound): never
@@ -263,7 +263,6 @@ class BufferedRound(Round):
         r0 = self.plan.target_responses
         prog = _Progress(prompt, entry, set(), [])
         self._progress[prompt.prompt_id] = prog
-        self._order.append(prompt.prompt_id)
         for s in entry.finished:
             prog.finished.append(s.as_completion(prompt.prompt_id))
         reqs: list[GenerationRequest] = []
@@ -316,6 +315,12 @@ class BufferedRound(Round):
             self._check_complete(p.prompt_id)
         return out
 
+    def _rank(self, pid: str) -> int:
+        """Launch order (``_progress`` keeps insertion order)."""
+        if self._ranks is None or len(self._ranks) != len(self._progress):
+            self._ranks = {p: i for i, p in enumerate(self._progress)}
+        return self._ranks[pid]
+
     def _live(self) -> int:
         return len(self._owner)
 
@@ -328,7 +333,7 @@ class BufferedRound(Round):
         # Prompts complete from the cache are ready trajectories: shortest first (selective batching).
         ready = sorted(
             (p.prompt_id for p, _, _ in launched if self._ready(p.prompt_id)),
-            key=lambda pid: (_mean_len(self._progress[pid].finished), self._order.index(pid)),
+            key=lambda pid: (_mean_len(self._progress[pid].finished), self._rank(pid)),
         )
         for pid in ready:
             self._check_complete(pid)
@@ -414,10 +419,10 @@ class BufferedRound(Round):
             )
         groups = sorted(
             (self._group(pid) for pid in self._selected),
-            key=lambda g: (_mean_len(g.responses), self._order.index(g.prompt.prompt_id)),
+            key=lambda g: (_mean_len(g.responses), self._rank(g.prompt.prompt_id)),
         )
         trained = set(self._selected)
-        deferred = tuple(self._progress[pid].prompt for pid in self._order if pid not in trained)
+        deferred = tuple(prog.prompt for pid, prog in self._progress.items() if pid not in trained)
         cached = list(self._cached)
         discarded = list(self._discarded)
         for p in deferred:
