@@ -1,6 +1,6 @@
 """Thin KFP components, one folder per stage: ``components/<stage>/component.py``.
 
-Each component is a ``@dsl.component`` whose body imports ``rollpacker.stages`` and calls one stage
+Each component is a ``@dsl.component`` whose body imports ``rollpacker.stages.edge`` and calls one stage
 function; every import sits inside the function body, because KFP serializes only the function's
 source into the task's container (and ``kfp.local`` runs that source in a fresh interpreter).
 The images carry rollpacker (and kfp), so ``packages_to_install=[]`` and ``install_kfp_package=False``.

@@ -16,7 +16,7 @@ def controller_plan(config: str, arm: str) -> NamedTuple(
     """Load the arm's state and plan its next step (round kind, prompts, TP size, timeouts)."""
     from collections import namedtuple
 
-    from rollpacker.stages import plan as stage
+    from rollpacker.stages.edge import plan as stage
 
     out = stage(config=config, arm=arm)
     outputs = namedtuple("PlanOutputs", ["plan", "step", "need_profile", "skip"])
@@ -34,7 +34,7 @@ def controller_commit(
     metrics: dsl.Output[dsl.Metrics],
 ) -> str:
     """Write the step's new state atomically and log it; the step's metrics also go to ``metrics``."""
-    from rollpacker.stages import commit as stage
+    from rollpacker.stages.edge import commit as stage
 
     out = stage(config=config, plan=plan, rollout=rollout, reward=reward, judge=judge, train=train)
     for name, value in out.metrics.items():

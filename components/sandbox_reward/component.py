@@ -10,6 +10,6 @@ from components.images import component_image
 )
 def sandbox_reward(config: str, plan: str, rollout: str) -> str:
     """Drain the rule/code rewards, update the timeout anchors, write the reward shard."""
-    from rollpacker.stages import reward as stage
+    from rollpacker.stages.edge import reward as stage
 
     return stage(config=config, plan=plan, rollout=rollout)

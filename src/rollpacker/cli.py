@@ -82,6 +82,16 @@ def bench_rollout(
     group_size: Annotated[
         int, typer.Option(help="SortedRL group size n: update batches loaded into the buffer at once.")
     ] = 4,
+    scaledown_replicas: Annotated[
+        int, typer.Option(help="DP replicas of the rollout for Algorithm 1's scale-down report (0 = off).")
+    ] = 4,
+    scaledown_kv_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="KV capacity per replica in tokens, for the scale-down report "
+            "[default: the engine's, estimated, / replicas]."
+        ),
+    ] = None,
 ) -> None:
     """Replay a length trace under every rollout policy on one engine and compare them.
 
@@ -104,7 +114,14 @@ def bench_rollout(
             max_tokens=max_tokens,
             sorted=SortedConfig(group_size=group_size),
         )
-        cfg = BenchConfig(rollout=rc, periods=periods, seed=seed, policies=bench_policies(policies))
+        cfg = BenchConfig(
+            rollout=rc,
+            periods=periods,
+            seed=seed,
+            policies=bench_policies(policies),
+            scaledown_replicas=scaledown_replicas,
+            scaledown_replica_kv_tokens=scaledown_kv_tokens,
+        )
         records, source = _load_records(trace, preset, seed)
         longest_prompt = max(r.prompt_len for r in records)
         eng = _make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
@@ -282,29 +299,36 @@ def train(
     set_: Annotated[
         list[str], typer.Option("--set", help="Override a key: --set rollout.policy=sync (repeatable).")
     ] = [],  # noqa: B006 - typer needs a literal default
-    resume: Annotated[bool, typer.Option(help="Continue the run from its last checkpoint.")] = False,
+    resume: Annotated[bool, typer.Option(help="Continue the run from its last committed step.")] = False,
+    fresh: Annotated[bool, typer.Option(help="Delete the run's committed steps and start over.")] = False,
 ) -> None:
-    """Run N RL steps end to end on this machine: rollout on vLLM, math rewards, GRPO on torch,
-    in-place weight sync; per-step metrics and the groups log go to MLflow."""
-    from rollpacker.loop.runner import RLRun, load_config
+    """Run N RL steps of one policy on this machine through the same stages as the pipeline
+    (services in this process, no KFP, no Ray): rollout on vLLM, rewards during rollout, the stream
+    trainer's one update per step, weights pushed in place. The state goes to the config's store
+    (default: <out_dir>/store), metrics and plots to MLflow (default: a SQLite file)."""
+    from rollpacker.experiment import train_arm, train_config
 
     try:
-        cfg = load_config(config, _parse_sets(set_))
-        run = RLRun(cfg, resume=resume)
+        text, cfg = train_config(config, _parse_sets(set_))
+        s = train_arm(text, resume=resume, fresh=fresh)
     except RollpackerError as e:
         _fail(e)
         return
-    try:
-        summary = run.run()
-    finally:
-        run.close()
+    val = (
+        " -> ".join(f"{a:.3f} (step {st})" for st, a in (s.val_accuracy[0], s.val_accuracy[-1]))
+        if s.val_accuracy
+        else "-"
+    )
     uri = cfg.tracking_uri
+    look = uri if uri.startswith("http") else f"{_mlflow_bin()} ui --backend-store-uri {uri}"
     typer.echo(
-        f"done: {summary.steps} steps, {summary.trained_samples} samples, validation accuracy "
-        f"{summary.val_accuracy_start:.3f} -> {summary.val_accuracy_end:.3f} in {summary.wall_s:.0f} s\n"
-        f"MLflow run {summary.run_id} (experiment {cfg.experiment!r})\n"
-        f"look: {_mlflow_bin()} ui --backend-store-uri {uri}   (then open http://127.0.0.1:5000)\n"
-        f"run dir: {summary.run_dir}"
+        f"done: {s.steps} steps ({s.steps_run} now), {s.trained_samples} samples, validation accuracy {val}, "
+        f"{s.wall_s:.0f} s\n"
+        f"exactly once: {s.exactly_once.prompts_trained} prompts trained, "
+        f"{len(s.exactly_once.trained_twice)} twice, {len(s.exactly_once.deferred_lost)} lost, "
+        f"{s.exactly_once.waiting} waiting\n"
+        f"MLflow run {s.run_id} (experiment {cfg.experiment!r}); look: {look}\n"
+        f"state: {s.store_uri}"
     )
 
 
@@ -313,31 +337,35 @@ def bench_learning(
     config: Annotated[Path, typer.Option(help="Experiment YAML shared by every arm.")] = Path(
         "configs/default.yaml"
     ),
-    policies: Annotated[str, typer.Option(help="Comma-separated rollout policies.")] = "sync,tail_batching",
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated arms: sync, tail_batching, sorted, sorted_partial, partial, one_off "
+            "(tail batching with the one-off pipeline)."
+        ),
+    ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0,1,2",
     set_: Annotated[list[str], typer.Option("--set", help="Override a config key (repeatable).")] = [],  # noqa: B006
-    out: Annotated[
-        Path, typer.Option(help="JSON report path (a PNG reward plot is written beside it).")
-    ] = Path("build/bench-learning.json"),
+    out: Annotated[Path, typer.Option(help="JSON report path (PNG plots are written beside it).")] = Path(
+        "build/bench-learning.json"
+    ),
 ) -> None:
-    """Train every (policy, seed) arm on the same config and compare validation accuracy after the
-    same number of trained samples; checks every prompt is trained exactly once."""
-    from rollpacker.bench.learning import plot, render, run_learning
-    from rollpacker.loop.runner import load_config
+    """Train every (arm, seed) through the one step path on the same config and compare validation
+    accuracy after the same number of trained samples; checks every prompt is trained exactly once."""
+    from rollpacker.bench.learning import learning_arms, plot, render, run_learning
 
     try:
-        cfg = load_config(config, _parse_sets(set_))
-        report = run_learning(
-            cfg, [p.strip() for p in policies.split(",")], [int(x) for x in seeds.split(",")]
-        )
-    except RollpackerError as e:
+        chosen = learning_arms(arms)
+        seed_list = [int(x) for x in seeds.split(",")]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = run_learning(config, _parse_sets(set_), chosen, seed_list)
+    except (RollpackerError, ValueError, OSError) as e:
         _fail(e)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    png = plot(report, out.with_suffix(".png"))
+    pngs = plot(report, out.with_suffix(".png"))
     typer.echo(render(report))
-    typer.echo(f"wrote {out} and {png}")
+    typer.echo(f"wrote {out} and {', '.join(str(p) for p in pngs)}")
 
 
 @bench_app.command("reward")
@@ -380,61 +408,6 @@ def bench_reward(
     typer.echo(f"wrote {out}")
 
 
-def _layout_pool(cfg, layouts: str, progress):  # type: ignore[no-untyped-def]
-    """The warm engines of the requested layouts for the config's model (cached warm-up)."""
-    import dataclasses
-
-    from rollpacker.core.latency import Layout, layouts_for
-    from rollpacker.engines.layout import EnginePool, node_devices
-    from rollpacker.loop.runner import prepare_model
-
-    pc = cfg.planner
-    devices = node_devices()
-    n = pc.devices or min(len(devices), pc.max_tp)
-    if layouts:
-        try:
-            lays = tuple(
-                Layout(int(x.split("dp")[0].removeprefix("tp")), int(x.split("dp")[1]))
-                for x in layouts.split(",")
-            )
-        except (ValueError, IndexError):
-            raise typer.BadParameter(f"--layouts {layouts!r}: use names like tp1dp2,tp2dp1") from None
-        n = max(lay.devices for lay in lays)
-    else:
-        lays = layouts_for(n, pc.max_tp)
-    if n > len(devices):
-        raise RollpackerError(f"the layouts need {n} devices; this machine offers {len(devices)}")
-    model = prepare_model(cfg)
-    ecfg = dataclasses.replace(cfg.engine, model_dir=str(model))
-    progress(f"starting {', '.join(lay.name for lay in lays)} on devices {','.join(devices[:n])}")
-    pool = EnginePool(
-        ecfg, lays, devices[:n], on_start=lambda lay, s: progress(f"{lay.name} up in {s:.1f} s")
-    )
-    pool.warm()
-    return pool
-
-
-def _profile_spec(cfg, pool):  # type: ignore[no-untyped-def]
-    from rollpacker.engines.profiler import ProfileSpec
-
-    pc = cfg.planner
-    return ProfileSpec(
-        layouts=pool.layouts,
-        batches=tuple(b for b in pc.profile_batches if b <= cfg.engine.max_num_seqs),
-        contexts=pc.profile_contexts,
-        window=pc.profile_window,
-        seed=cfg.seed,
-    )
-
-
-def _held_out(cfg, model_dir: str, n: int):  # type: ignore[no-untyped-def]
-    from rollpacker.services.base import task_data
-
-    t = cfg.task
-    data = task_data(t.name, t.seed, t.num_examples, t.val_size, model_dir)
-    return data.val_prompts[:n]
-
-
 @app.command("profile")
 def profile_cmd(
     config: Annotated[Path, typer.Option(help="Experiment YAML: model, engine, planner grid, task.")] = Path(
@@ -452,19 +425,20 @@ def profile_cmd(
     replica, prefill timed, then a short decode window) over the planner's batch x context grid,
     then check the latency predictor on real decoding trajectories of held-out prompts. Writes the
     table as JSON and a plot next to it (docs/parallelism.md)."""
+    from rollpacker.core.config import load_config
     from rollpacker.core.latency import ProfileTable
-    from rollpacker.engines.profiler import plot_profile, profile_and_check, table_rows
-    from rollpacker.loop.runner import load_config
+    from rollpacker.engines.profiler import ProfileSpec, plot_profile, profile_and_check, table_rows
+    from rollpacker.profiling import held_out, layout_pool
 
     t0 = __import__("time").perf_counter()
     try:
         cfg = load_config(config)
-        pool = _layout_pool(cfg, layouts, typer.echo)
+        pool = layout_pool(cfg, layouts, typer.echo)
         try:
             doc = profile_and_check(
                 pool,
-                _profile_spec(cfg, pool),
-                _held_out(cfg, pool.cfg.model_dir, held_out),
+                ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed),
+                held_out(cfg, pool.cfg.model_dir, held_out),
                 cfg.rollout.max_tokens,
                 cfg.validation.temperature,
                 progress=typer.echo,
@@ -525,10 +499,10 @@ def bench_planner(
     import dataclasses
 
     from rollpacker.bench.planner import PlannerBenchConfig, render, run_planner_bench
-    from rollpacker.core.config import RolloutConfig
+    from rollpacker.core.config import RolloutConfig, load_config
     from rollpacker.core.latency import ProfileTable
-    from rollpacker.engines.profiler import profile_and_check
-    from rollpacker.loop.runner import load_config
+    from rollpacker.engines.profiler import ProfileSpec, profile_and_check
+    from rollpacker.profiling import held_out, layout_pool
 
     try:
         cfg = load_config(config)
@@ -541,14 +515,15 @@ def bench_planner(
         records, source = _load_records(trace, preset, cfg.seed)
         pool = None
         if profile is None or real_steps > 0:
-            pool = _layout_pool(cfg, "", typer.echo)
+            pool = layout_pool(cfg, "", typer.echo)
         try:
             if profile is None:
-                assert pool is not None
+                if pool is None:
+                    raise RollpackerError("no engines to profile")
                 doc = profile_and_check(
                     pool,
-                    _profile_spec(cfg, pool),
-                    _held_out(cfg, pool.cfg.model_dir, 64),
+                    ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed),
+                    held_out(cfg, pool.cfg.model_dir, 64),
                     cfg.rollout.max_tokens,
                     progress=typer.echo,
                 )
@@ -658,7 +633,7 @@ def run_cmd(
     services (SeaweedFS S3, MLflow server, Ray head) are started when the config points at
     127.0.0.1 and none runs, and stopped again at the end.
     """
-    from rollpacker.loop.experiment import run_experiment
+    from rollpacker.experiment import run_experiment
 
     try:
         out = run_experiment(

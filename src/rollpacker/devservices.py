@@ -4,7 +4,7 @@
 down`` stops what ``up`` started, by PID, and nothing else (never ``ray stop``, which kills every Ray
 process on the machine). Everything lives under one directory, ``build/services`` by default::
 
-    credentials.json   the local S3 keys (mode 0600; ObjectStore falls back to them)
+    credentials.json   the local S3 keys (mode 0600; S3Store falls back to them)
     s3.json            SeaweedFS identities (the same keys, mode 0600)
     s3/                SeaweedFS data          mlflow.db     MLflow's sqlite backend store
     logs/<name>.log    each service's output   pids/<name>.json  what was started: session, PIDs, address
@@ -45,12 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.core.errors import RollpackerError
-from rollpacker.store.objstore import (
+from rollpacker.store.base import StoreError
+from rollpacker.store.s3 import (
     CREDENTIALS_FILE,
     DEFAULT_SERVICES_DIR,
     SERVICES_DIR_ENV,
-    ObjectStore,
-    StoreError,
+    S3Store,
 )
 
 DEFAULT_ROOT = DEFAULT_SERVICES_DIR
@@ -516,7 +516,7 @@ def _healthy(name: str, address: str, creds: dict[str, str] | None, bucket: str)
         if creds is None:
             return False
         try:
-            ObjectStore(address, bucket, creds["access_key"], creds["secret_key"]).create_bucket()
+            S3Store(address, bucket, creds["access_key"], creds["secret_key"]).create_bucket()
         except StoreError:
             return False
         return True
@@ -733,8 +733,8 @@ def _lock(root: Path) -> Iterator[None]:
 # -- small helpers -------------------------------------------------------------------------------
 
 
-def _s3_client(address: str, creds: dict[str, str], bucket: str, root: Path) -> ObjectStore:
-    return ObjectStore(
+def _s3_client(address: str, creds: dict[str, str], bucket: str, root: Path) -> S3Store:
+    return S3Store(
         address,
         bucket,
         creds["access_key"],

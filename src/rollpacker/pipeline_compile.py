@@ -79,6 +79,6 @@ def compile_pipelines(out_dir: Path, steps: int) -> list[Path]:
 
 def steps_from_config(path: Path) -> int:
     """``steps`` of an experiment YAML (validated like ``rollpacker train`` does)."""
-    from rollpacker.loop.runner import load_config
+    from rollpacker.core.config import load_config
 
     return load_config(path).steps

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -9,25 +10,35 @@ from rollpacker.bench.replay import (
     ALL_POLICIES,
     SORTEDRL_PAPER_BUBBLE,
     BenchConfig,
+    ScaleDownObserver,
+    TrackingEngine,
     bench_policies,
+    measure_kv_capacity,
     render_table,
+    replay_sampling,
     run_benchmark,
+    run_policy,
+    scaledown_layout,
 )
 from rollpacker.cli import app
 from rollpacker.core.config import PartialConfig, RolloutConfig
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.trace import PRESETS, generate
+from rollpacker.core.policies.sync import SyncPolicy
+from rollpacker.core.prompts import PromptCursor
+from rollpacker.core.scaledown import RunningRequest, ScaleDownConfig
+from rollpacker.core.trace import PRESETS, generate, to_prompts
+from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
 from rollpacker.engines.fake import FakeEngine
 
 P0, R0, N_GROUP = 8, 4, 4
 
 
-def _bench(per_seq_s: float, concurrency: int = 64, in_flight: int = 0):
+def _bench(per_seq_s: float, concurrency: int = 64, in_flight: int = 0, **bench):
     eng = FakeEngine(concurrency=concurrency, base_s=0.003, per_seq_s=per_seq_s)
     rc = RolloutConfig(
         prompts_per_step=P0, responses_per_prompt=R0, partial=PartialConfig(in_flight=in_flight)
     )
-    cfg = BenchConfig(rc, periods=2)
+    cfg = BenchConfig(rc, periods=2, **bench)
     return run_benchmark(eng, generate(PRESETS["smoke"], seed=1), cfg, source="smoke")
 
 
@@ -126,6 +137,174 @@ def test_sorted_and_partial_fill_a_memory_bound_engine_better_than_sync(five) ->
     assert all(name in table for name in ALL_POLICIES)
     assert "lag max" in table and "off-pol" in table
     assert "SortedRL bubble ratio" in table and "74%" in table and "5.81%" in table
+
+
+# -- Algorithm 1 (scale-down) observed on the rounds ------------------------------------------------
+
+
+def test_scaledown_decides_inside_the_20_50_window_and_frees_half_the_replicas(five) -> None:
+    cfg = five["config"]["scaledown"]
+    assert cfg["replicas"] == 4 and cfg["replica_kv_tokens"] == (1 << 30) // 4  # FakeEngine's KV / 4
+    assert cfg["kv_checked"] is True and "engine estimate" in cfg["kv_source"]
+    for name, s in five["policies"].items():
+        sd = s["scaledown"]
+        assert sd["rounds"] == s["steps"] and len(sd["per_round"]) == s["steps"], name
+        decided = [r for r in sd["per_round"] if r["scaled_down"]]
+        # a long-tailed trace: most rounds pass through the window one completion at a time
+        assert len(decided) == sd["rounds_scaled_down"] >= sd["rounds"] // 2, name
+        for r in decided:
+            assert 0.2 <= r["completed_frac"] <= 0.5, (name, r)
+            assert r["freed_replicas"] == 2 and r["migrated"] > 0, (name, r)
+            assert 0 < r["decision_s"] < r["round_s"], (name, r)
+            assert r["freed_replica_s"] == pytest.approx(2 * (r["round_s"] - r["decision_s"]))
+        assert 0.2 <= sd["completed_frac_mean"] <= 0.5, name
+        assert sd["replicas_freed"] == 2 * sd["rounds_scaled_down"], name
+        assert sd["requests_migrated"] == sum(r["migrated"] for r in decided) > 0, name
+        assert sd["freed_replica_s"] > 0 and sd["freed_device_s"] == pytest.approx(sd["freed_replica_s"])
+        assert 0 < sd["freed_share"] < 1 and sd["refused_kv"] == 0 and sd["aborted_pick"] == 0, name
+    table = render_table(five)
+    assert "Algorithm 1's decision on this trace" in table and "not enacted" in table
+    rest = table[table.index("scale-down:") :].splitlines()
+    block = rest[:1] + list(itertools.takewhile(lambda line: line.startswith("  "), rest[1:]))
+    assert len(block) > 3 + len(ALL_POLICIES) and all(len(line) < 120 for line in block)
+    assert any(line.split()[:1] == ["tail_batching"] for line in block)
+
+
+def test_scaledown_sees_every_completion_and_only_earlier_rounds_lengths() -> None:
+    """Sync on a flat engine with room for every request: a response of length L finishes at engine
+    step L, so the first attempt is at the first step t with 20 % <= done(t)/|R| <= 50 %. The
+    monitor of round k projects with the natural lengths of rounds 0..k-1, never later ones."""
+    eng = FakeEngine(concurrency=64, base_s=0.003, per_seq_s=0.0)
+    rc = RolloutConfig(prompts_per_step=P0, responses_per_prompt=R0)
+    prompts = to_prompts(generate(PRESETS["smoke"], seed=1), vocab_size=259, seed=0)
+    policy = SyncPolicy(rc, PromptCursor(prompts, shuffle=False, epochs=1), replay_sampling(1024, 0))
+    obs = ScaleDownObserver(eng, scaledown_layout(4, 1 << 20, 1), ScaleDownConfig(), rc.max_tokens)
+    run_policy(eng, policy, lambda _p, steps: len(steps) >= 3, 3, scaledown=obs)
+    assert [r.history_lengths for r in obs.rounds] == [0, P0 * R0, 2 * P0 * R0]
+    lengths = [[min(n, 1024) for n in p.response_lens[:R0]] for p in prompts[: 3 * P0]]
+    assert list(obs.history.lengths) == sorted(n for ls in lengths for n in ls)
+    for k, rec in enumerate(obs.rounds):
+        mine = [n for ls in lengths[k * P0 : (k + 1) * P0] for n in ls]
+        total = len(mine)
+        done = [sum(n <= t for n in mine) for t in range(max(mine) + 1)]
+        first = next((t for t in range(1, len(done)) if 0.2 * total <= done[t] <= 0.5 * total), None)
+        assert rec.requests == total and rec.attempts == (first is not None), k
+        if first is not None:
+            assert rec.completed_frac == done[first] / total, k
+            assert rec.decision_s == pytest.approx(first * 0.003) and rec.round_s == pytest.approx(
+                max(mine) * 0.003
+            )
+            assert 0 < rec.migrated < sum(n > first for n in mine)  # the freed replicas' share
+
+
+def test_the_tracking_engine_reports_exactly_the_live_requests() -> None:
+    """What the monitor reads: unfinished, unaborted requests with prompt and generated tokens
+    (a resumed response's cached tokens included), replicas round-robin in submission order."""
+    tracked = TrackingEngine(FakeEngine(concurrency=2), ("r0", "r1"))
+    prompt = Prompt(prompt_id="p", token_ids=(5, 6, 7))
+    for i, (n, prefix) in enumerate([(1, ()), (3, ()), (5, (9, 9))]):
+        tracked.add_request(
+            GenerationRequest(
+                request_id=f"q{i}",
+                prompt=prompt,
+                sample_index=i,
+                sampling=SamplingSpec(max_tokens=n, ignore_eos=True),
+                prefix_token_ids=prefix,
+                prefix_logprobs=(-1.0,) * len(prefix),
+            )
+        )
+    assert tracked.launched is None
+    tracked.step()  # q0 and q1 run (concurrency 2), q0 finishes; q2 waits
+    assert tracked.launched == 3
+    assert tracked.running() == [RunningRequest("q1", "r1", 3, 1), RunningRequest("q2", "r0", 3, 2)]
+    tracked.step()  # q1 and q2 run
+    assert tracked.running() == [RunningRequest("q1", "r1", 3, 2), RunningRequest("q2", "r0", 3, 3)]
+    tracked.abort(["q2"])
+    tracked.step()  # q1 finishes
+    assert tracked.running() == [] and not tracked.has_unfinished()
+    tracked.begin_round()
+    assert tracked.submitted == 0 and tracked.launched is None
+
+
+def test_scaledown_refuses_and_counts_when_the_kv_capacity_is_too_small() -> None:
+    rep = _bench(0.0, concurrency=32, policies=("sync", "tail_batching"), scaledown_replica_kv_tokens=16)
+    assert rep["config"]["scaledown"]["kv_source"] == "configured"
+    for name, s in rep["policies"].items():
+        sd = s["scaledown"]
+        assert sd["rounds_scaled_down"] == 0 and sd["completed_frac_mean"] is None, name
+        assert sd["refused_kv"] == sd["attempts"] > 0 and sd["aborted_pick"] == 0, name
+        assert sd["replicas_freed"] == sd["requests_migrated"] == 0 and sd["freed_replica_s"] == 0, name
+        # Algorithm 1 keeps trying at each milestone of the window: more attempts than rounds
+        assert sd["attempts"] > sd["rounds"], name
+    assert "KV refused" in render_table(rep)
+
+
+def test_scaledown_with_one_replica_never_decides() -> None:
+    rep = _bench(0.0, concurrency=32, policies=("sync", "tail_batching"), scaledown_replicas=1)
+    for name, s in rep["policies"].items():
+        sd = s["scaledown"]
+        assert sd["rounds_scaled_down"] == 0 and sd["replicas_freed"] == 0, name
+        assert sd["aborted_pick"] == sd["attempts"] > 0 and sd["refused_kv"] == 0, name
+
+
+def _same(a, b, rel: float = 0.0) -> bool:
+    """Equal, floats within ``rel`` (0 = exactly), through nested dicts and lists."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a == pytest.approx(b, rel=rel, abs=rel) if rel else a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], rel) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y, rel) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def test_scaledown_observation_changes_nothing_the_benchmark_measures(five) -> None:
+    off = _bench(0.0, concurrency=32, scaledown_replicas=0)
+    assert off["config"]["scaledown"] is None
+    assert all("scaledown" not in s for s in off["policies"].values())
+    assert "scale-down" not in render_table(off)
+    decides = _bench(0.0, concurrency=32, scaledown_replica_kv_tokens=1 << 20)
+    refuses = _bench(0.0, concurrency=32, scaledown_replica_kv_tokens=16)  # many attempts per round
+    assert all(s["scaledown"]["rounds_scaled_down"] > 0 for s in decides["policies"].values())
+    assert all(s["scaledown"]["refused_kv"] > 0 for s in refuses["policies"].values())
+
+    def without(rep) -> dict:
+        return {n: {k: v for k, v in s.items() if k != "scaledown"} for n, s in rep["policies"].items()}
+
+    # A configured KV capacity runs no probe: the engine's clock is the same, so every figure is too.
+    for on in (decides, refuses):
+        assert _same(on["per_step"], off["per_step"])  # per-step seconds, tokens, lengths, aborts...
+        assert _same(without(on), without(off)) and _same(on["batch_scaling"], off["batch_scaling"])
+    # The default probes the engine's KV capacity first; the virtual clock then starts later, which
+    # moves the per-step seconds by float rounding only, and nothing else at all.
+    assert _same(five["per_step"], off["per_step"], rel=1e-9)
+    assert _same(without(five), without(off), rel=1e-9)
+    for name in ALL_POLICIES:
+        steps_on, steps_off = five["per_step"][name], off["per_step"][name]
+        for key in ("engine_steps", "tokens_generated", "tokens_wasted", "aborted_requests"):
+            assert [m[key] for m in steps_on] == [m[key] for m in steps_off], (name, key)
+
+
+def test_kv_capacity_is_estimated_through_the_port() -> None:
+    assert measure_kv_capacity(FakeEngine(kv_capacity_tokens=40_000)) == 40_000
+    # smaller than the probe itself: read once the preempted requests no longer wait
+    assert measure_kv_capacity(FakeEngine(kv_capacity_tokens=1_500)) == 1_500
+    rep = _bench(0.0, concurrency=32, policies=("sync", "tail_batching"), scaledown_replicas=3)
+    assert rep["config"]["scaledown"]["replica_kv_tokens"] == (1 << 30) // 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"scaledown_replicas": -1}, "scaledown_replicas"),
+        ({"scaledown_replicas": True}, "scaledown_replicas"),
+        ({"scaledown_replica_kv_tokens": 0}, "scaledown_replica_kv_tokens"),
+        ({"scaledown_replica_kv_tokens": 1.5}, "scaledown_replica_kv_tokens"),
+    ],
+)
+def test_scaledown_settings_are_validated(kwargs, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        BenchConfig(RolloutConfig(), **kwargs)
 
 
 def test_an_arm_that_runs_out_of_trace_stops_and_says_so() -> None:

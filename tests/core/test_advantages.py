@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpacker.core.advantages import group_advantages, train_samples
+from rollpacker.core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    get_advantage_estimator,
+    group_advantages,
+    train_samples,
+)
+from rollpacker.core.errors import ConfigError
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
 from rollpacker.core.types import Completion, FinishReason, Group, Prompt
 
@@ -45,3 +51,13 @@ def test_train_samples_keep_tokens_logprobs_and_versions():
 def test_stream_weights_sum_to_one(lengths, norm):
     total = sum(token_weight(norm, n) * n for n in lengths)
     assert total / denominator(norm, lengths) == pytest.approx(1.0)
+
+
+def test_advantage_estimators_by_name() -> None:
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo"}
+    rewards = [1.0, 0.0, 0.0, 0.0]
+    assert get_advantage_estimator("grpo")(rewards, 1e-6) == group_advantages(rewards, scale=True)
+    assert get_advantage_estimator("dr_grpo")(rewards, 1e-6) == group_advantages(rewards, scale=False)
+    with pytest.raises(ConfigError) as err:
+        get_advantage_estimator("ppo_gae")
+    assert "'ppo_gae'" in str(err.value) and "grpo" in str(err.value) and "dr_grpo" in str(err.value)

@@ -66,7 +66,7 @@ def _run(pol, steps: int, concurrency: int = 32, restart_every: int = 0):
         pol.commit(rr.result)
         runs.append(rr)
         if restart_every and (step + 1) % restart_every == 0:
-            docs = [e.to_dict() for e in pol.buffer]
+            docs = [BufferEntry.from_dict(e.to_dict()) for e in pol.buffer]  # a state round trip
             pol.buffer = buffer_from_state(docs, lambda _i: True)
     return runs
 
@@ -249,17 +249,17 @@ def test_buffer_entries_round_trip_through_the_state_document(samples) -> None:
 
     entry = BufferEntry("p1", 3, tuple(_sample(i, n, v, f) for i, n, v, f in samples))
     doc = json.loads(json.dumps([entry.to_dict()]))
-    assert buffer_from_state(doc, lambda _i: True) == [entry]
+    assert buffer_from_state([BufferEntry.from_dict(d) for d in doc], lambda _i: True) == [entry]
 
 
 def test_a_corrupt_or_foreign_buffer_is_refused_by_name() -> None:
-    good = BufferEntry("p1", 0, (_sample(0, 3, 1, False),)).to_dict()
+    good = BufferEntry("p1", 0, (_sample(0, 3, 1, False),))
     with pytest.raises(PolicyError, match="another dataset"):
         buffer_from_state([good], lambda i: i != "p1")
     bad = dataclasses.replace(BufferEntry("p1", 0), samples=()).to_dict()
     bad["samples"] = [{"sample_index": 0, "token_ids": [1, 2], "logprobs": [0.0], "versions": [[0, 2]]}]
     with pytest.raises(PolicyError, match="2 tokens, 1 logprobs"):
-        buffer_from_state([bad], lambda _i: True)
+        BufferEntry.from_dict(bad)
     with pytest.raises(PolicyError, match="twice"):
         buffer_from_state([good, good], lambda _i: True)
 

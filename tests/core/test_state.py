@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollpacker.core.policies.buffered import BufferEntry, CachedSample
 from rollpacker.core.state import SCHEMA_VERSION, ControllerState, StateError, TPPlan
 
 names = st.text(min_size=1, max_size=12)
@@ -29,9 +30,17 @@ states = st.builds(
     cursor_epoch=ints,
     cursor_position=ints,
     long_queue=st.lists(names, max_size=6).map(tuple),
-    partial_cache=st.lists(st.dictionaries(st.text(max_size=6), json_values, max_size=3), max_size=3).map(
-        tuple
-    ),
+    partial_cache=st.lists(
+        st.builds(
+            lambda pid, step, n: BufferEntry(
+                pid, step, tuple(CachedSample(i, (1,) * i, (-0.5,) * i, (step,) * i) for i in range(n))
+            ),
+            names,
+            st.integers(0, 50),
+            st.integers(0, 3),
+        ),
+        max_size=3,
+    ).map(tuple),
     tp_plan=st.builds(
         lambda short, long, hist, init: TPPlan(
             short, long, tuple(p for _, p in hist), tuple(k for k, _ in hist), init
@@ -43,7 +52,9 @@ states = st.builds(
         ),
         st.sampled_from([0, 1, 2, 4]),
     ),
-    timeout_anchors=st.text(max_size=20),
+    timeout_anchors=st.dictionaries(names, st.floats(0, 100, allow_nan=False), max_size=4).map(
+        lambda d: tuple(sorted(d.items()))
+    ),
     length_history=st.lists(st.tuples(names, st.integers(0, 10**5)), max_size=5).map(tuple),
     checkpoint_uri=st.text(max_size=30),
     policy_version=ints,
@@ -110,7 +121,7 @@ def test_minimal_document_takes_the_defaults() -> None:
     [
         ("{not json", "not JSON"),
         ("[1, 2]", "expected a JSON object, got list"),
-        (doc(schema_version=2), "schema_version 2"),
+        (doc(schema_version=3), "schema_version 3"),
         (doc(schema_version=_DELETE), "schema_version None"),
         (doc(surprise=1), r"unknown field\(s\) \['surprise'\]"),
         (doc(step=_DELETE), "missing field 'step'"),
@@ -124,7 +135,9 @@ def test_minimal_document_takes_the_defaults() -> None:
         (doc(tp_plan={"short_tp": 1, "long_tp": "2"}), "tp_plan.long_tp = '2' must be a positive integer"),
         (doc(long_queue="p1"), "field 'long_queue' must be a list, got str"),
         (doc(length_history=[["p1"]]), "malformed field"),
-        (doc(partial_cache=[1]), "malformed field"),
+        (doc(partial_cache=[1]), r"partial_cache\[0\]: a buffer entry must be an object"),
+        (doc(timeout_anchors="{}"), "timeout_anchors' must be a list"),
+        (doc(timeout_anchors=[["case", "x"]]), "malformed field"),
     ],
 )
 def test_bad_documents_raise_state_error(text: str, match: str) -> None:
@@ -145,3 +158,16 @@ def test_a_tp_history_with_a_kind_missing_is_refused() -> None:
     doc["tp_plan"]["round_kinds"] = ["short"]
     with pytest.raises(StateError, match="tp_plan"):
         ControllerState.from_json(json.dumps(doc))
+
+
+def test_a_schema_1_document_is_upgraded() -> None:
+    """Schema 1 kept the sandbox's timeout anchors as AdaptiveTimeout.to_json() text."""
+    old = json.loads(base().to_json())
+    old["schema_version"] = 1
+    old["timeout_anchors"] = json.dumps(
+        {"config": {"adaptive": True, "lam": 1.5, "t_min_s": 2, "t_max_s": 30}, "anchors": {"b": 2.0, "a": 1}}
+    )
+    s = ControllerState.from_json(json.dumps(old))
+    assert s.timeout_anchors == (("a", 1.0), ("b", 2.0)) and s.schema_version == SCHEMA_VERSION
+    old["timeout_anchors"] = ""
+    assert ControllerState.from_json(json.dumps(old)).timeout_anchors == ()

@@ -394,7 +394,7 @@ def test_vendored_raycluster_schema_matches_its_recorded_source(root: Path) -> N
 def test_cluster_experiment_config_loads_and_names_the_manifests_services(
     rendered: dict[str, list[dict[str, Any]]], root: Path
 ) -> None:
-    from rollpacker.loop.runner import load_config
+    from rollpacker.core.config import load_config
 
     cfg = load_config(root / "manifests" / "experiment.yaml")
     docs = rendered["gpu"]
@@ -416,7 +416,7 @@ def test_every_service_role_asks_for_a_resource_a_worker_group_offers(
 ) -> None:
     import json
 
-    from rollpacker.loop.runner import load_config
+    from rollpacker.core.config import load_config
     from rollpacker.services.registry import ROLE_RESOURCE, ROLES
 
     assert load_config(root / "manifests" / "experiment.yaml").services.role_resources

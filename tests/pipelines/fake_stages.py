@@ -1,4 +1,4 @@
-"""A stand-in for ``rollpacker.stages`` (the contract the components call), recording its calls.
+"""A stand-in for ``rollpacker.stages.edge`` (the contract the components call), recording its calls.
 
 Used in-process by test_components.py and, through a sitecustomize, inside kfp.local's task
 subprocesses by test_local.py. ``FAKE_STAGES_STATE`` names a file holding the arm's step counter;

@@ -61,14 +61,16 @@ def test_shipped_source_imports_its_stage_inside_the_function(name: str) -> None
     assert module_imports <= KFP_PREAMBLE, f"module-level imports outside the KFP preamble: {module_imports}"
     (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert func.name == name
-    inner = [n for n in ast.walk(func) if isinstance(n, ast.ImportFrom) and n.module == "rollpacker.stages"]
+    inner = [
+        n for n in ast.walk(func) if isinstance(n, ast.ImportFrom) and n.module == "rollpacker.stages.edge"
+    ]
     assert [a.name for n in inner for a in n.names] == [COMPONENTS[name][1]]
-    assert f"from rollpacker.stages import {COMPONENTS[name][1]}" in source
+    assert f"from rollpacker.stages.edge import {COMPONENTS[name][1]}" in source
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setitem(sys.modules, "rollpacker.stages", fake_stages)
+    monkeypatch.setitem(sys.modules, "rollpacker.stages.edge", fake_stages)
     monkeypatch.delenv("FAKE_STAGES_STATE", raising=False)
     fake_stages.calls.clear()
     return fake_stages
@@ -124,7 +126,7 @@ def test_a_failing_stage_fails_the_component(fake: Any) -> None:
 
 @pytest.mark.parametrize("stage", ["plan", "profile", "rollout", "reward", "judge", "train", "commit"])
 def test_real_stages_take_the_keywords_the_components_pass(stage: str) -> None:
-    """The components call ``rollpacker.stages`` by keyword, with the fake's parameter names."""
-    real = pytest.importorskip("rollpacker.stages")
+    """The components call ``rollpacker.stages.edge`` by keyword, with the fake's parameter names."""
+    real = pytest.importorskip("rollpacker.stages.edge")
     want = list(inspect.signature(getattr(fake_stages, stage)).parameters)
     assert list(inspect.signature(getattr(real, stage)).parameters) == want

@@ -19,14 +19,14 @@ FAKE = Path(__file__).with_name("fake_stages.py")
 
 @pytest.fixture
 def fake_stages_in_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Task subprocesses import tests/pipelines/fake_stages.py as ``rollpacker.stages``."""
+    """Task subprocesses import tests/pipelines/fake_stages.py as ``rollpacker.stages.edge``."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
         "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('rollpacker.stages', {str(FAKE)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('rollpacker.stages.edge', {str(FAKE)!r})\n"
         "mod = importlib.util.module_from_spec(spec)\n"
-        "sys.modules['rollpacker.stages'] = mod\n"
+        "sys.modules['rollpacker.stages.edge'] = mod\n"
         "spec.loader.exec_module(mod)\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))

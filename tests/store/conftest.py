@@ -1,8 +1,11 @@
-"""A real SeaweedFS S3 server for the store tests: one per test session, on free ports, in a tmp dir,
-started and stopped by the same code as `rollpacker up` / `rollpacker down`."""
+"""The stores the tests run against: a real SeaweedFS S3 server (one per test session, on free ports,
+in a tmp dir, started and stopped by the same code as `rollpacker up` / `rollpacker down`) and a
+file store in a tmp dir. ``store`` is parametrised over both adapters ("s3", "file"): a test that
+takes it is a contract test every adapter must pass."""
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -10,7 +13,9 @@ import pytest
 
 from rollpacker import devservices
 from rollpacker.core.config import StoreConfig
-from rollpacker.store.objstore import ObjectStore
+from rollpacker.store.base import ObjectStore
+from rollpacker.store.local import FileStore
+from rollpacker.store.s3 import S3Store
 
 BUCKET = "rollpacker-test"
 
@@ -43,8 +48,44 @@ def store_env(seaweed: devservices.Services) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def objstore(store_cfg: StoreConfig, store_env: dict[str, str]) -> ObjectStore:
-    return ObjectStore.from_config(store_cfg, env=store_env)
+def objstore(store_cfg: StoreConfig, store_env: dict[str, str]) -> S3Store:
+    """The S3 adapter on the session's SeaweedFS server."""
+    return S3Store.from_config(store_cfg, env=store_env)
+
+
+@pytest.fixture
+def filestore(tmp_path_factory: pytest.TempPathFactory) -> FileStore:
+    """The file adapter on a fresh directory (outside ``tmp_path``, which tests use for local files)."""
+    return FileStore(tmp_path_factory.mktemp("filestore"))
+
+
+ADAPTERS = ("s3", "file")
+
+
+@pytest.fixture(params=ADAPTERS)
+def store(request: pytest.FixtureRequest) -> ObjectStore:
+    """Each adapter in turn: the S3 store on SeaweedFS, the file store in a fresh directory."""
+    name = "objstore" if request.param == "s3" else "filestore"
+    found: ObjectStore = request.getfixturevalue(name)
+    return found
+
+
+@pytest.fixture
+def broken_store(
+    request: pytest.FixtureRequest, store: ObjectStore, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[ObjectStore, str]:
+    """The same adapter as ``store`` pointed at a place that does not exist (an S3 bucket never
+    created; a directory whose parent does not exist), and the pattern its errors must match
+    (the setting to fix)."""
+    if isinstance(store, S3Store):
+        cfg = StoreConfig(endpoint=store.endpoint, bucket="no-such-bucket-here")
+        env: dict[str, str] = request.getfixturevalue("store_env")
+        return S3Store.from_config(cfg, env=env), (
+            r"store\.bucket = 'no-such-bucket-here' does not exist at .*; create it or fix store\.bucket"
+        )
+    missing = tmp_path_factory.mktemp("gone") / "no" / "store"
+    path = re.escape(str(missing))
+    return FileStore(missing), rf"store\.endpoint = .*: {path} does not exist; create it \(mkdir -p {path}\)"
 
 
 @pytest.fixture

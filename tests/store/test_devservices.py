@@ -15,7 +15,7 @@ import pytest
 
 from rollpacker import devservices
 from rollpacker.devservices import RayPorts, SeaweedPorts, ServicesError
-from rollpacker.store.objstore import ObjectStore
+from rollpacker.store.s3 import S3Store
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     assert creds["endpoint"] == svc.s3_endpoint and creds["access_key"] == svc.access_key
     for f in (svc.credentials_file, root / "s3.json"):
         assert f.stat().st_mode & 0o777 == 0o600
-    store = ObjectStore(svc.s3_endpoint, "bkt-one", svc.access_key, svc.secret_key)
+    store = S3Store(svc.s3_endpoint, "bkt-one", svc.access_key, svc.secret_key)
     store.check()  # the bucket was created
     store.put_bytes("k", b"v")
 
@@ -60,7 +60,7 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     again = devservices.up(root, bucket="bkt-two", mlflow=False, ray=False, seaweed_ports=ports)
     assert again.started == () and again.reused == ("seaweedfs",)
     assert (again.access_key, again.secret_key) == (svc.access_key, svc.secret_key)
-    ObjectStore(svc.s3_endpoint, "bkt-two", svc.access_key, svc.secret_key).check()  # new bucket, same server
+    S3Store(svc.s3_endpoint, "bkt-two", svc.access_key, svc.secret_key).check()  # new bucket, same server
 
     assert devservices.down(root, names=["ray", "mlflow"]) == {}
     assert _alive(pids) == list(pids)
@@ -76,7 +76,7 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     # the data and the keys survive a restart
     svc3 = devservices.up(root, bucket="bkt-one", mlflow=False, ray=False, seaweed_ports=ports, timeout_s=30)
     assert svc3.started == ("seaweedfs",) and svc3.access_key == svc.access_key
-    assert ObjectStore(svc3.s3_endpoint, "bkt-one", svc3.access_key, svc3.secret_key).get_bytes("k") == b"v"
+    assert S3Store(svc3.s3_endpoint, "bkt-one", svc3.access_key, svc3.secret_key).get_bytes("k") == b"v"
     devservices.down(root, grace_s=5)
 
 

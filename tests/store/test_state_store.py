@@ -1,34 +1,76 @@
-"""StateStore against a real S3 server: the chain of step documents and the pointer to the newest."""
+"""StateStore over every object store adapter (S3 on a real SeaweedFS server, and the file store):
+the chain of step documents and the pointer to the newest."""
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from rollpacker.core.state import ControllerState, StateError, TPPlan
-from rollpacker.store.objstore import ObjectStore, StoreError
+from rollpacker.core.state import StateError
+from rollpacker.store.base import ObjectStore, StoreError
 from rollpacker.store.state_store import StateStore
+from tests.store.chain import advance, chain, initial
 
 
-class CrashingStore(ObjectStore):
-    """The real store, recording every write; ``crash_on`` makes a write to that key die first."""
+class CrashingStore:
+    """Any real store, recording every write; ``crash_on`` makes a write to that key die first."""
 
     def __init__(self, real: ObjectStore) -> None:
-        self.__dict__.update(real.__dict__)
+        self.real = real
         self.writes: list[str] = []
         self.crash_on: str | None = None
 
-    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+    def _write(self, key: str) -> None:
         if key == self.crash_on:
             raise StoreError(f"simulated crash before writing {key}")
         self.writes.append(key)
-        return super().put_bytes(key, data, content_type)
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
+        self._write(key)
+        return self.real.put_bytes(key, data, content_type)
+
+    def put_json(self, key: str, obj: Any) -> str:
+        self._write(key)
+        return self.real.put_json(key, obj)
+
+    def check(self) -> None:
+        self.real.check()
+
+    def uri(self, key: str) -> str:
+        return self.real.uri(key)
+
+    def key_of(self, uri: str) -> str:
+        return self.real.key_of(uri)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.real.get_bytes(key)
+
+    def exists(self, key: str) -> bool:
+        return self.real.exists(key)
+
+    def get_json(self, key: str) -> Any:
+        return self.real.get_json(key)
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        return self.real.list(prefix)
+
+    def delete_prefix(self, prefix: str) -> int:
+        return self.real.delete_prefix(prefix)
+
+    def upload_dir(self, local_dir: Path | str, prefix: str) -> str:
+        return self.real.upload_dir(local_dir, prefix)
+
+    def download_dir(self, uri: str, local_dir: Path | str) -> Path:
+        return self.real.download_dir(uri, local_dir)
 
 
 @pytest.fixture
-def spy(objstore: ObjectStore) -> CrashingStore:
-    return CrashingStore(objstore)
+def spy(store: ObjectStore) -> CrashingStore:
+    return CrashingStore(store)
 
 
 @pytest.fixture
@@ -36,41 +78,8 @@ def states(spy: CrashingStore, prefix: str) -> StateStore:
     return StateStore(spy, prefix, "tail_batching")
 
 
-def initial(ss: StateStore) -> ControllerState:
-    return ControllerState(
-        experiment=ss.experiment,
-        arm=ss.arm,
-        step=-1,
-        cursor_seed=7,
-        cursor_epoch=0,
-        cursor_position=0,
-        seed=7,
-    )
-
-
-def advance(s: ControllerState) -> ControllerState:
-    """The state after one more step (what the controller would commit)."""
-    return s.successor(
-        cursor_position=s.cursor_position + 4,
-        long_queue=(*s.long_queue, f"p{s.step + 1}"),
-        tp_plan=TPPlan(
-            short_tp=1,
-            long_tp=2,
-            preemption_history=(*s.tp_plan.preemption_history, s.step + 1),
-            round_kinds=(*s.tp_plan.round_kinds, "short"),
-        ),
-        checkpoint_uri=f"s3://bucket/x/ckpt/step-{s.step + 1:06d}/",
-        policy_version=s.policy_version + 1,
-    )
-
-
-def chain(ss: StateStore, steps: int) -> list[ControllerState]:
-    out = [initial(ss)]
-    ss.init(out[0])
-    for _ in range(steps):
-        out.append(advance(out[-1]))
-        ss.commit(out[-1])
-    return out
+def test_the_spy_is_an_object_store(spy: CrashingStore) -> None:
+    assert isinstance(spy, ObjectStore)
 
 
 def test_empty_arm_has_no_state(states: StateStore) -> None:
@@ -284,13 +293,13 @@ def test_bad_blob_names_are_refused(states: StateStore, name: str) -> None:
 
 
 @pytest.mark.parametrize("experiment", ["", "a/b", "../x", " x"])
-def test_bad_experiment_names_are_refused(objstore: ObjectStore, experiment: str) -> None:
+def test_bad_experiment_names_are_refused(store: ObjectStore, experiment: str) -> None:
     with pytest.raises(StateError, match="experiment ="):
-        StateStore(objstore, experiment, "arm")
+        StateStore(store, experiment, "arm")
 
 
-def test_reset_deletes_only_this_arm(objstore: ObjectStore, prefix: str) -> None:
-    mine, other = StateStore(objstore, prefix, "sync"), StateStore(objstore, prefix, "sync2")
+def test_reset_deletes_only_this_arm(store: ObjectStore, prefix: str) -> None:
+    mine, other = StateStore(store, prefix, "sync"), StateStore(store, prefix, "sync2")
     chain(mine, 2)
     chain(other, 1)
     mine.put_blob(0, "x", b"1")

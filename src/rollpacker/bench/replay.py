@@ -39,6 +39,19 @@ Token accounting per arm: ``tokens_generated == tokens_useful + tokens_wasted + 
 (``tokens_resumed``), still cached when the arm ends (``tokens_left_cached``), or dropped by the
 partial policy's staleness bound and regenerated (``tokens_dropped_stale``).
 
+**Scale-down decisions (RollPacker §4.4, Algorithm 1)** are computed on every arm's real round
+trajectories and reported, never enacted: during each round a ``ScaleDownMonitor`` is fed, after
+every engine step that completes a request, the round's cumulative completed count and its live
+requests (prompt tokens, generated tokens) on a hypothetical layout of
+``BenchConfig.scaledown_replicas`` DP replicas (requests assigned round-robin in submission
+order), with a ``LengthHistory`` of the arm's earlier rounds only. The observation goes through a
+pass-through engine wrapper and the driver's callbacks: it changes neither a round's schedule nor
+its (virtual) clock; only the KV-capacity probe (when no capacity is configured) runs on the
+engine, once, before the arms. Per arm the report gives the
+rounds that scaled down, the completed fraction at the decision, replicas freed, requests
+migrated, the replica-seconds the freed replicas would have sat through for the rest of the round,
+and the attempts refused by the KV-fit criterion (``scaledown`` in each policy's summary).
+
 The SortedRL paper's bubble-ratio reduction (74 % baseline -> 5.81 % on-policy, 3.37 % partial,
 paper 003 section 4.4.1) is reported beside the measured sync -> sorted figures
 (``sortedrl_reference``).
@@ -47,8 +60,9 @@ paper 003 section 4.4.1) is reported beside the measured sync -> sorted figures
 from __future__ import annotations
 
 import json
+import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -62,11 +76,22 @@ from rollpacker.core.policies.sorted import SortedPolicy
 from rollpacker.core.policies.sync import SyncPolicy
 from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import PromptCursor
+from rollpacker.core.scaledown import (
+    LengthHistory,
+    Replica,
+    RolloutLayout,
+    RunningRequest,
+    ScaleDecision,
+    ScaleDownConfig,
+    ScaleDownMonitor,
+)
 from rollpacker.core.trace import TraceRecord, check_serves, length_stats, to_prompts
 from rollpacker.core.types import (
+    Completion,
     EngineStepStats,
     GenerationRequest,
     Prompt,
+    RequestUpdate,
     RoundKind,
     SamplingSpec,
 )
@@ -82,6 +107,8 @@ BASELINE_POLICIES = ("sync", "tail_batching")
 # SortedRL (paper 003), section 4.4.1: bubble ratio (eq. 4) of the synchronous baseline and of the
 # two SortedRL modes, 512 samples in 4 batches, max generation length 8k, lengths replayed.
 SORTEDRL_PAPER_BUBBLE = {"baseline": 0.74, "sorted": 0.0581, "sorted_partial": 0.0337}
+
+_UNBOUNDED_KV = 1 << 62  # a replica KV capacity no projection reaches (when it cannot be known)
 
 
 def bench_policies(names: str | Sequence[str]) -> tuple[str, ...]:
@@ -106,12 +133,29 @@ class BenchConfig:
     scaling_tokens: int = 64  # decode tokens per request when measuring the batch-scaling curve
     seed: int = 0
     policies: tuple[str, ...] = ALL_POLICIES  # arms to run (sync and tail_batching always)
+    # Algorithm 1's scale-down decision, observed and reported (never enacted): DP replicas of the
+    # hypothetical rollout layout (0 = not observed) and each replica's KV capacity in tokens
+    # (None = the engine's capacity, estimated through the port, divided by the replicas)
+    scaledown_replicas: int = 4
+    scaledown_replica_kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.periods < 1:
             raise ConfigError(f"bench.periods = {self.periods}: must be >= 1")
         if self.max_steps < 1:
             raise ConfigError(f"bench.max_steps = {self.max_steps}: must be >= 1")
+        r = self.scaledown_replicas
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(
+                f"bench.scaledown_replicas = {r!r}: must be an integer >= 0 "
+                "(DP replicas of the rollout; 0 turns the scale-down report off)"
+            )
+        kv = self.scaledown_replica_kv_tokens
+        if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1):
+            raise ConfigError(
+                f"bench.scaledown_replica_kv_tokens = {kv!r}: must be a positive integer "
+                "(KV capacity of one replica, in tokens) or None (derived from the engine)"
+            )
         unknown = [n for n in self.policies if n not in ALL_POLICIES]
         if unknown:
             raise ConfigError(f"bench.policies: unknown policy {unknown[0]!r}; use some of {ALL_POLICIES}")
@@ -138,6 +182,365 @@ class ScalingPoint:
         return 1000.0 * self.time_s / max(1, self.engine_steps)
 
 
+# ---------------------------------------------------------------------------------------------
+# Algorithm 1 (scale-down), observed on the real rounds and reported; nothing is enacted
+
+
+class _Live:
+    """A request of the current round that has neither finished nor been aborted."""
+
+    __slots__ = ("generated_tokens", "prompt_tokens", "replica_id")
+
+    def __init__(self, replica_id: str, prompt_tokens: int, generated_tokens: int) -> None:
+        self.replica_id = replica_id
+        self.prompt_tokens = prompt_tokens
+        self.generated_tokens = generated_tokens
+
+
+class TrackingEngine:
+    """The engine, passed through unchanged, recording what Algorithm 1's monitor reads: the
+    round's live requests with their prompt and generated tokens, each assigned round-robin (in
+    submission order) to one replica of the hypothetical layout, and ``launched``, the requests
+    submitted before the round's first engine step (the round's ``|R|``). Every call goes to the
+    engine as it came; the bookkeeping never touches the engine or its clock."""
+
+    def __init__(self, inner: RolloutEngine, replica_ids: Sequence[str]) -> None:
+        if not replica_ids:
+            raise ConfigError("TrackingEngine needs at least one replica id")
+        self._inner = inner
+        self._replica_ids = tuple(replica_ids)
+        self.live: dict[str, _Live] = {}
+        self.submitted = 0  # requests submitted in this round
+        self.launched: int | None = None  # submitted before the round's first step
+
+    def begin_round(self) -> None:
+        self.live.clear()
+        self.submitted = 0
+        self.launched = None
+
+    def running(self) -> list[RunningRequest]:
+        return [
+            RunningRequest(rid, x.replica_id, x.prompt_tokens, x.generated_tokens)
+            for rid, x in self.live.items()
+        ]
+
+    @property
+    def concurrency(self) -> int:
+        return self._inner.concurrency
+
+    @property
+    def tp_size(self) -> int:
+        return self._inner.tp_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._inner.vocab_size
+
+    @property
+    def eos_token_id(self) -> int:
+        return self._inner.eos_token_id
+
+    def now(self) -> float:
+        return self._inner.now()
+
+    def add_request(self, request: GenerationRequest) -> None:
+        self._inner.add_request(request)
+        replica = self._replica_ids[self.submitted % len(self._replica_ids)]
+        self.submitted += 1
+        # a resumed response's KV holds its cached tokens too: they count as generated
+        self.live[request.request_id] = _Live(
+            replica, len(request.prompt.token_ids), len(request.prefix_token_ids)
+        )
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._inner.abort(request_ids)
+        for rid in request_ids:
+            self.live.pop(rid, None)
+
+    def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
+        if self.launched is None:
+            self.launched = self.submitted
+        updates, stats = self._inner.step()
+        for u in updates:
+            x = self.live.get(u.request_id)
+            if x is None:
+                continue
+            if u.finished:
+                del self.live[u.request_id]
+            else:
+                x.generated_tokens += len(u.new_token_ids)
+        return updates, stats
+
+    def has_unfinished(self) -> bool:
+        return self._inner.has_unfinished()
+
+    def num_preemptions(self) -> int:
+        return self._inner.num_preemptions()
+
+    def kv_cache_usage(self) -> float:
+        return self._inner.kv_cache_usage()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        self._inner.load_weights(named_tensors)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+@dataclass(frozen=True)
+class ScaleDownRound:
+    """Algorithm 1 on one round: its attempts and, if it scaled down, the decision."""
+
+    step: int
+    round_kind: str
+    requests: int  # |R|: requests submitted before the round's first engine step
+    round_s: float
+    history_lengths: int = 0  # response lengths the monitor's history held (earlier rounds only)
+    attempts: int = 0
+    refused_kv: int = 0  # attempts refused by MeetScaleCriteria (projected KV does not fit)
+    aborted_pick: int = 0  # attempts aborted by PickScaleDownGPUs (fewer than 2 replicas)
+    completed_frac: float | None = None  # |R_comp|/|R| at the decision
+    decision_s: float | None = None  # seconds into the round
+    freed_replicas: int = 0
+    freed_devices: int = 0
+    migrated: int = 0  # running requests on the freed replicas, resubmitted on the kept ones
+
+    @property
+    def scaled_down(self) -> bool:
+        return self.decision_s is not None
+
+    @property
+    def freed_replica_s(self) -> float:
+        """Replica-seconds the freed replicas would have given training: until the round ends."""
+        return 0.0 if self.decision_s is None else self.freed_replicas * (self.round_s - self.decision_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "round_kind": self.round_kind,
+            "requests": self.requests,
+            "round_s": self.round_s,
+            "history_lengths": self.history_lengths,
+            "attempts": self.attempts,
+            "refused_kv": self.refused_kv,
+            "aborted_pick": self.aborted_pick,
+            "scaled_down": self.scaled_down,
+            "completed_frac": self.completed_frac,
+            "decision_s": self.decision_s,
+            "freed_replicas": self.freed_replicas,
+            "migrated": self.migrated,
+            "freed_replica_s": self.freed_replica_s,
+        }
+
+
+class ScaleDownObserver:
+    """Feeds one arm's rounds to a ``ScaleDownMonitor`` and records what it decides.
+
+    Use ``engine`` (a ``TrackingEngine``) for the arm's rounds, call ``begin_round`` before each,
+    pass ``on_step`` and ``on_response`` to ``run_round``, then ``end_round``. The length history
+    holds the natural (not aborted) response lengths of the arm's *earlier* rounds only.
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, layout: RolloutLayout, config: ScaleDownConfig, max_tokens: int
+    ) -> None:
+        self.engine = TrackingEngine(engine, layout.replica_ids)
+        self._layout = layout
+        self._config = config
+        self._history = LengthHistory((), max_tokens)
+        self._seen: list[int] = []
+        self._monitor: ScaleDownMonitor | None = None
+        self._t0 = 0.0
+        self._tally = [0, 0, 0]  # attempts, refused_kv, aborted_pick in this round
+        self._decision: tuple[ScaleDecision, float] | None = None
+        self.rounds: list[ScaleDownRound] = []
+
+    @property
+    def layout(self) -> RolloutLayout:
+        return self._layout
+
+    @property
+    def history(self) -> LengthHistory:
+        """What the next round's monitor will project with: the earlier rounds' final lengths."""
+        return self._history
+
+    def begin_round(self) -> None:
+        self.engine.begin_round()
+        self._monitor = None
+        self._t0 = self.engine.now()
+        self._tally = [0, 0, 0]
+        self._decision = None
+
+    def on_response(self, completion: Completion) -> None:
+        self._seen.append(completion.num_tokens)
+
+    def on_step(self, _stats: EngineStepStats, completed: int) -> None:
+        """Lines 9-21 of Algorithm 1 after one engine step (``completed``: the driver's count of
+        naturally finished requests of the round, capped at ``|R|``)."""
+        if self._monitor is None:
+            total = self.engine.launched or 0
+            if total == 0:
+                return
+            self._monitor = ScaleDownMonitor(self._config, self._layout, self._history, total)
+        m = self._monitor
+        done = min(completed, m.state.total_requests)
+        # Without a new completion neither Δ_R nor |R_comp| moves: the monitor could not attempt.
+        if m.scaled_down or done == m.state.completed:
+            return
+        before = m.state.attempts
+        decision = m.observe(done, self.engine.running())
+        if m.state.attempts == before:
+            return
+        self._tally[0] += 1
+        check = m.last_check
+        if decision is not None:
+            self._decision = (decision, self.engine.now() - self._t0)
+        elif check is not None and not check.freed:
+            self._tally[2] += 1
+        else:
+            self._tally[1] += 1
+
+    def end_round(self, step: int, round_kind: str) -> ScaleDownRound:
+        m = self._monitor
+        rec = ScaleDownRound(
+            step=step,
+            round_kind=round_kind,
+            requests=m.state.total_requests if m is not None else 0,
+            round_s=self.engine.now() - self._t0,
+            history_lengths=len(self._history.lengths),
+            attempts=self._tally[0],
+            refused_kv=self._tally[1],
+            aborted_pick=self._tally[2],
+        )
+        if self._decision is not None:
+            d, at_s = self._decision
+            rec = replace(
+                rec,
+                completed_frac=d.completed_fraction,
+                decision_s=at_s,
+                freed_replicas=len(d.freed),
+                freed_devices=len(self._layout.devices_of(d.freed)),
+                migrated=len(d.migrate),
+            )
+        self.rounds.append(rec)
+        self._history = self._history.extended(self._seen)
+        self._seen = []
+        return rec
+
+    def summary(self, rollout_time_s: float) -> dict[str, Any]:
+        """Per-arm totals; ``freed_share`` = freed replica-seconds / (replicas x rollout seconds)."""
+        rounds = self.rounds
+        decided = [r for r in rounds if r.scaled_down]
+        fracs = [r.completed_frac for r in decided if r.completed_frac is not None]
+        freed_s = sum(r.freed_replica_s for r in rounds)
+        n = len(self._layout.replicas)
+        return {
+            "rounds": len(rounds),
+            "rounds_scaled_down": len(decided),
+            "completed_frac_mean": sum(fracs) / len(fracs) if fracs else None,
+            "replicas_freed": sum(r.freed_replicas for r in rounds),
+            "requests_migrated": sum(r.migrated for r in rounds),
+            "freed_replica_s": freed_s,
+            "freed_device_s": sum(
+                r.freed_devices * (r.round_s - r.decision_s) for r in decided if r.decision_s is not None
+            ),
+            "freed_share": freed_s / (n * rollout_time_s) if rollout_time_s > 0 else 0.0,
+            "attempts": sum(r.attempts for r in rounds),
+            "refused_kv": sum(r.refused_kv for r in rounds),
+            "aborted_pick": sum(r.aborted_pick for r in rounds),
+            "per_round": [r.as_dict() for r in rounds],
+        }
+
+
+def scaledown_layout(replicas: int, replica_kv_tokens: int, tp_size: int) -> RolloutLayout:
+    """``replicas`` DP replicas ``r0..`` of ``tp_size`` devices each on one node."""
+    return RolloutLayout(
+        tuple(
+            Replica(f"r{i}", tuple(range(i * tp_size, (i + 1) * tp_size)), "node0", replica_kv_tokens)
+            for i in range(replicas)
+        )
+    )
+
+
+def measure_kv_capacity(
+    engine: RolloutEngine,
+    batch: int = 16,
+    prompt_len: int = 127,
+    tokens: int = 8,
+    seed: int = 0,
+    tag: str = "kvprobe",
+) -> int | None:
+    """The engine's KV capacity in tokens, estimated through the port (``kv_cache_usage``).
+
+    ``batch`` requests with distinct random prompts (no shared prefix) decode ``tokens`` tokens;
+    after each step the running requests' resident tokens (prompt + generated) over the reported
+    usage estimates the capacity, taken at the step of highest usage below 1 with nothing waiting.
+    Block rounding makes it a slight underestimate (conservative for the KV-fit check). The unit
+    is the monitor's: prompt + generated tokens per request, no prefix sharing. ``None`` when no
+    usable reading came back (no usage reported, or the probe alone overflows the cache).
+    """
+    rng = random.Random(f"{tag}:{seed}")
+    hi = max(4, min(engine.vocab_size, 259))
+    resident: dict[str, int] = {}
+    for i in range(min(batch, engine.concurrency)):
+        ids = tuple(rng.randrange(3, hi) for _ in range(prompt_len))
+        rid = f"{tag}-{i}-{time.monotonic_ns()}"
+        engine.add_request(
+            GenerationRequest(
+                request_id=rid,
+                prompt=Prompt(prompt_id=f"{tag}-{i}", token_ids=ids),
+                sample_index=0,
+                sampling=SamplingSpec(max_tokens=tokens, ignore_eos=True),
+            )
+        )
+        resident[rid] = prompt_len
+    best: tuple[float, int] = (0.0, 0)
+    while engine.has_unfinished():
+        updates, stats = engine.step()
+        for u in updates:
+            if u.request_id in resident:
+                resident[u.request_id] += len(u.new_token_ids)
+                if u.finished:
+                    del resident[u.request_id]
+        # only while every request is resident (none waiting or preempted) and the cache is not full
+        usage = stats.kv_cache_usage
+        if resident and stats.num_waiting == 0 and best[0] < usage < 1.0:
+            best = (usage, sum(resident.values()))
+    usage, held = best
+    return round(held / usage) if usage > 0 else None
+
+
+def _scaledown_setup(
+    engine: RolloutEngine, cfg: BenchConfig, log: Callable[[str], None]
+) -> tuple[RolloutLayout | None, dict[str, Any] | None]:
+    """The hypothetical rollout layout the arms are observed on, and its description for the report."""
+    n = cfg.scaledown_replicas
+    if n == 0:
+        return None, None
+    kv = cfg.scaledown_replica_kv_tokens
+    source = "configured"
+    engine_kv: int | None = None
+    if kv is None:
+        engine_kv = measure_kv_capacity(engine, seed=cfg.seed)
+        if engine_kv is None:
+            kv, source = _UNBOUNDED_KV, "unknown: the engine reports no KV usage"
+        else:
+            kv, source = max(1, engine_kv // n), f"engine estimate {engine_kv} tokens / {n} replicas"
+    log(f"scale-down (Algorithm 1) observed on {n} replicas x {kv} KV tokens ({source})")
+    sd = ScaleDownConfig()
+    info = {
+        "replicas": n,
+        "replica_kv_tokens": kv,
+        "kv_source": source,
+        "engine_kv_tokens": engine_kv,
+        "kv_checked": kv != _UNBOUNDED_KV,
+        "tp_size": engine.tp_size,
+        "milestones": [sd.milestone_low, sd.milestone_high, sd.milestone_step],
+        "fraction": sd.fraction,
+    }
+    return scaledown_layout(n, kv, engine.tp_size), info
+
+
 @dataclass
 class PolicyRun:
     policy: str
@@ -150,6 +553,7 @@ class PolicyRun:
     resumed_tokens: int = 0  # trained tokens generated in an earlier step (cached, then resumed)
     left_cached_tokens: int = 0  # tokens still in the policy's rollout buffer when the arm ended
     trace_used_up: bool = False  # the arm stopped because the trace could not fill its next step
+    scaledown: ScaleDownObserver | None = None  # Algorithm 1 observed on the arm's rounds
 
     @property
     def time_s(self) -> float:
@@ -194,6 +598,7 @@ class PolicyRun:
             "p75_len_per_step": [m.response_len_p75 for m in self.steps],
             "time_s_per_step": [m.time_s for m in self.steps],
             "round_kinds": kinds,
+            **({"scaledown": self.scaledown.summary(time_s)} if self.scaledown is not None else {}),
         }
 
 
@@ -250,12 +655,15 @@ def run_policy(
     max_steps: int,
     progress: Callable[[str, RolloutMetrics], None] | None = None,
     label: str | None = None,
+    scaledown: ScaleDownObserver | None = None,
 ) -> PolicyRun:
     """Run ``policy`` until ``stop`` says so, ``max_steps`` steps, or the trace cannot fill the next
     step (``trace_used_up``). The policy version is the step index: one update per step, so the
-    lag of resumed tokens is measured as in training."""
+    lag of resumed tokens is measured as in training. With a ``scaledown`` observer (fresh, on
+    this ``engine``), Algorithm 1 is observed on every round; it changes nothing a round does."""
     name = label or policy.name
-    run = PolicyRun(policy=name)
+    obs = scaledown
+    run = PolicyRun(policy=name, scaledown=obs)
     t0 = time.perf_counter()
     for step in range(max_steps):
         if isinstance(policy, PartialPolicy):
@@ -267,7 +675,13 @@ def run_policy(
                 raise
             run.trace_used_up = True
             break
-        rr = run_round(engine, policy.open_round(plan), policy_version=step)
+        rnd = policy.open_round(plan)
+        if obs is None:
+            rr = run_round(engine, rnd, policy_version=step)
+        else:
+            obs.begin_round()
+            rr = run_round(obs.engine, rnd, step, on_step=obs.on_step, on_response=obs.on_response)
+            obs.end_round(step, rr.metrics.round_kind)
         policy.commit(rr.result)
         run.steps.append(rr.metrics)
         run.engine_steps.extend(rr.steps)
@@ -304,6 +718,10 @@ def run_benchmark(
     batches = sorted(set(SCALING_BATCHES) | {engine.concurrency})
     scaling = measure_scaling(engine, batches, cfg.scaling_tokens)
     sat = max(p.tokens_per_s for p in scaling if p.batch <= engine.concurrency)
+    layout, sd_info = _scaledown_setup(engine, cfg, log)
+
+    def observer() -> ScaleDownObserver | None:
+        return None if layout is None else ScaleDownObserver(engine, layout, ScaleDownConfig(), rc.max_tokens)
 
     # Tail batching first: it decides which prompts a whole number of periods trains.
     tb_cfg = replace(rc, policy=PolicyName.TAIL_BATCHING)
@@ -322,7 +740,7 @@ def run_benchmark(
         return len(tb.queue) < rc.prompts_per_step and remaining < tb_cfg.launched_prompts
 
     log("running tail batching")
-    tb_run = run_policy(engine, tb, tb_stop, cfg.max_steps, progress)
+    tb_run = run_policy(engine, tb, tb_stop, cfg.max_steps, progress, scaledown=observer())
     if not any(m.round_kind == RoundKind.LONG.value for m in tb_run.steps) and speculates_prompts:
         log("note: no long round completed; the trace is too short for a whole period")
 
@@ -333,7 +751,7 @@ def run_benchmark(
     sync = SyncPolicy(sync_cfg, PromptCursor(same, shuffle=False, epochs=1), sampling, namespace="sync")
     log("running the synchronous baseline on the same prompts")
     n_steps = len(tb_run.steps)
-    sync_run = run_policy(engine, sync, _after(n_steps), n_steps, progress)
+    sync_run = run_policy(engine, sync, _after(n_steps), n_steps, progress, scaledown=observer())
 
     runs = {"sync": sync_run, "tail_batching": tb_run}
 
@@ -367,7 +785,9 @@ def run_benchmark(
             policy = PartialPolicy(pcfg, cursor, sampling, by_id, in_flight=in_flight, namespace=name)
             steps = n_steps
             log(f"running partial rollout ({in_flight} requests in flight) for {steps} steps")
-        runs[name] = run_policy(engine, policy, _after(steps), steps, progress, label=name)
+        runs[name] = run_policy(
+            engine, policy, _after(steps), steps, progress, label=name, scaledown=observer()
+        )
         if runs[name].trace_used_up:
             log(f"note: {name} used up the trace after {len(runs[name].steps)} steps")
 
@@ -392,6 +812,7 @@ def run_benchmark(
             "concurrency": engine.concurrency,
             "tp_size": engine.tp_size,
             "seed": cfg.seed,
+            "scaledown": sd_info,
         },
         "trace": {"source": source, "prompts": len(records), **trace_stats},
         "batch_scaling": [
@@ -511,6 +932,7 @@ def render_table(report: dict[str, Any]) -> str:
                 for k in buffered
             )
         )
+    lines.extend(_scaledown_lines(report))
     ref = report.get("sortedrl_reference")
     if ref is not None and len(ref["measured"]["bubble_ratio"]) > 1:
         m, pp = ref["measured"]["bubble_ratio"], ref["paper"]["bubble_ratio"]
@@ -521,6 +943,54 @@ def render_table(report: dict[str, Any]) -> str:
             f"sorted_partial {pp['sorted_partial']:.2%}"
         )
     return "\n".join(lines)
+
+
+def _scaledown_lines(report: dict[str, Any]) -> list[str]:
+    """The scale-down block of ``render_table``: Algorithm 1's decisions, per arm (empty when off)."""
+    info = report["config"].get("scaledown")
+    if not info:
+        return []
+    lo, hi, step = info["milestones"]
+    lines = [
+        "",
+        "scale-down: Algorithm 1's decision on this trace (computed on the rounds, not enacted: "
+        "no measured speedup)",
+        f"  layout: {info['replicas']} DP replicas x TP {info['tp_size']}, "
+        + (
+            f"{info['replica_kv_tokens']} KV tokens each ({info['kv_source']})"
+            if info["kv_checked"]
+            else "KV capacity unknown (the engine reports no KV usage; fit not checked)"
+        ),
+        f"  milestones {lo:.0%}-{hi:.0%} of |R| every {step:.0%}; frees {info['fraction']:.0%} of the "
+        "replicas (whole replicas only)",
+    ]
+    hdr = (
+        f"  {'policy':<14} {'rounds':>6} {'scaled':>6} {'done at':>7} {'freed':>6} {'migrated':>8} "
+        f"{'freed replica-s':>15} {'of rollout':>10} {'KV refused':>10} {'pick aborted':>12}"
+    )
+    lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+    for name, s in report["policies"].items():
+        sd = s.get("scaledown")
+        if sd is None:
+            continue
+        frac = sd["completed_frac_mean"]
+        lines.append(
+            f"  {name:<14} {sd['rounds']:>6} {sd['rounds_scaled_down']:>6} "
+            f"{'-' if frac is None else f'{frac:.1%}':>7} {sd['replicas_freed']:>6} "
+            f"{sd['requests_migrated']:>8} {sd['freed_replica_s']:>15.2f} {sd['freed_share']:>10.1%} "
+            f"{sd['refused_kv']:>10} {sd['aborted_pick']:>12}"
+        )
+    lines.append(
+        "  scaled = rounds that scaled down; done at = mean |R_comp|/|R| at the decision; freed = replicas"
+    )
+    lines.append(
+        "  freed, summed over rounds; freed replica-s = freed replicas x (round end - decision): time the"
+    )
+    lines.append(
+        "  trainer could have used; of rollout = its share of all replica-s; KV refused = attempts refused"
+    )
+    lines.append("  by the KV-fit criterion; pick aborted = attempts with fewer than 2 replicas to split")
+    return lines
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -2,7 +2,9 @@
 
 A group's advantage of response j is ``(r_j - mean(r)) / (std(r) + eps)`` (population std, as in
 GRPO; ``scale=False`` gives Dr. GRPO's unscaled ``r_j - mean(r)``). Every token of a response gets
-its response's advantage.
+its response's advantage. The estimators are registered by name (``grpo``, ``dr_grpo``);
+``get_advantage_estimator(name)`` finds one, and an unknown name raises ``ConfigError`` listing the
+known ones.
 
 Invariants:
 - advantages of a group sum to 0 (within float rounding);
@@ -13,10 +15,14 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from rollpacker.core.errors import ConfigError
 from rollpacker.core.types import Group
+
+# (a group's rewards, eps) -> one advantage per response
+AdvantageEstimator = Callable[[Sequence[float], float], tuple[float, ...]]
 
 
 @dataclass(frozen=True)
@@ -56,16 +62,40 @@ class TrainSample:
         return len(self.response_ids)
 
 
-def group_advantages(rewards: Sequence[float], eps: float = 1e-6, scale: bool = True) -> tuple[float, ...]:
+def _centered(rewards: Sequence[float]) -> list[float]:
     if not rewards:
         raise ValueError("a group needs at least one reward")
-    n = len(rewards)
-    mean = sum(rewards) / n
-    centered = [r - mean for r in rewards]
-    if not scale:
-        return tuple(centered)
-    std = math.sqrt(sum(c * c for c in centered) / n)
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def grpo(rewards: Sequence[float], eps: float = 1e-6) -> tuple[float, ...]:
+    """GRPO: ``(r_j - mean(r)) / (std(r) + eps)``, population std."""
+    centered = _centered(rewards)
+    std = math.sqrt(sum(c * c for c in centered) / len(centered))
     return tuple(c / (std + eps) for c in centered)
+
+
+def dr_grpo(rewards: Sequence[float], eps: float = 1e-6) -> tuple[float, ...]:
+    """Dr. GRPO: ``r_j - mean(r)``, unscaled (``eps`` unused)."""
+    return tuple(_centered(rewards))
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"grpo": grpo, "dr_grpo": dr_grpo}
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown advantage estimator {name!r}; known estimators: {', '.join(ADVANTAGE_ESTIMATORS)}"
+        ) from None
+
+
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6, scale: bool = True) -> tuple[float, ...]:
+    """The group's advantages: ``grpo`` (``scale``, train.scale_advantages) or ``dr_grpo``."""
+    return get_advantage_estimator("grpo" if scale else "dr_grpo")(rewards, eps)
 
 
 def train_samples(

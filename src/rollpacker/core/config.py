@@ -17,6 +17,7 @@ import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from rollpacker.core.errors import ConfigError
@@ -354,21 +355,31 @@ class ValidationConfig:
     every: int = 20  # validate every N steps (and before the first and after the last)
     temperature: float = 1.0  # 0: greedy
     max_tokens: int = 1024
+    split: str = "held_out"  # held_out: the task's validation split; train: the prompts RL trains on
+    samples: int = 1  # responses per prompt (the accuracy is their mean)
 
     def __post_init__(self) -> None:
         _positive_int("validation.every", self.every)
         _positive_int("validation.max_tokens", self.max_tokens)
+        _positive_int("validation.samples", self.samples)
+        if self.split not in ("held_out", "train"):
+            raise ConfigError(f"validation.split = {self.split!r}: use 'held_out' or 'train'")
         if self.temperature < 0:
             raise ConfigError(f"validation.temperature = {self.temperature!r}: must be >= 0")
 
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """The S3 object store the controller keeps state, checkpoints and profiles in (MinIO in a
-    cluster, SeaweedFS locally). Credentials never live in the config: they come from the
-    environment variables named here."""
+    """The object store the controller keeps state, checkpoints and profiles in.
 
-    endpoint: str = "127.0.0.1:8333"  # host:port, no scheme
+    ``endpoint`` is either ``host:port`` of an S3 server (MinIO in a cluster, SeaweedFS locally;
+    the default) or ``file://<path>`` for a directory on this machine (``file:///abs/path``;
+    ``file://rel/path`` resolves against the current directory: the part after ``file://`` is a
+    path, never a host). ``bucket``, ``secure``, ``region`` and the credential variables apply to
+    S3 only. Credentials never live in the config: they come from the environment variables named
+    here."""
+
+    endpoint: str = "127.0.0.1:8333"  # host:port, no scheme; or file://<path>
     bucket: str = "rollpacker"
     secure: bool = False  # https
     region: str = ""
@@ -376,7 +387,15 @@ class StoreConfig:
     secret_key_env: str = "ROLLPACKER_S3_SECRET_KEY"
 
     def __post_init__(self) -> None:
-        if not self.endpoint or "://" in self.endpoint or "/" in self.endpoint:
+        if self.endpoint.startswith(FILE_SCHEME):
+            path = self.file_root
+            if not path or not path.strip() or "\0" in path:
+                raise ConfigError(
+                    f"store.endpoint = {self.endpoint!r}: give the store's directory after file:// "
+                    "(e.g. file:///data/rollpacker-store, or file://build/store relative to the current "
+                    "directory)"
+                )
+        elif not self.endpoint or "://" in self.endpoint or "/" in self.endpoint:
             raise ConfigError(
                 f"store.endpoint = {self.endpoint!r}: use host:port without a scheme or path "
                 "(e.g. 127.0.0.1:8333; set store.secure: true for https)"
@@ -386,6 +405,18 @@ class StoreConfig:
                 f"store.bucket = {self.bucket!r}: an S3 bucket name is 3-63 lowercase letters, digits, "
                 "dots or hyphens"
             )
+
+    @property
+    def file_root(self) -> str | None:
+        """The directory of a ``file://`` endpoint as written (relative or absolute), or None for
+        an S3 endpoint."""
+        if not self.endpoint.startswith(FILE_SCHEME):
+            return None
+        return self.endpoint[len(FILE_SCHEME) :]
+
+
+# store.endpoint of a filesystem store: file://<path> (the path after it, absolute or relative)
+FILE_SCHEME = "file://"
 
 
 @dataclass(frozen=True)
@@ -524,3 +555,48 @@ class ExperimentConfig:
             raise ConfigError(
                 f"rollout.temperature = {self.rollout.temperature!r}: RL needs sampled responses (> 0)"
             )
+
+
+def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment config; unknown keys are rejected by name."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; see configs/ for examples")
+    return config_from_text(p.read_text(), where=str(p), overrides=overrides)
+
+
+def config_from_text(
+    text: str, where: str = "config", overrides: Mapping[str, Any] | None = None
+) -> ExperimentConfig:
+    """The experiment config from YAML text (what the pipeline stages receive); ``overrides`` maps
+    dotted keys (``rollout.policy``) to values."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
+    apply_overrides(data, overrides or {}, where)
+    try:
+        return from_mapping(ExperimentConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any], where: str = "config") -> None:
+    """Set each dotted key (``rollout.policy``) of ``overrides`` in the YAML mapping ``data``."""
+    for dotted, value in overrides.items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{where}: --set {dotted}: {k!r} is not a section")
+        node[leaf] = value
+
+
+def arm_config(config_text: str, arm: str) -> ExperimentConfig:
+    """The experiment config from YAML text, as arm ``arm`` runs it (its policy and variant)."""
+    return config_from_text(config_text).for_arm(arm)

@@ -9,7 +9,10 @@ Invariants (tests/core/test_state.py):
 - ``from_json(to_json(s)) == s`` for every valid state;
 - a document of another schema version, a missing field or a wrong type is refused with a
   ``StateError`` naming the field (a corrupt state is never half-loaded);
-- ``next_step`` is ``step + 1``: the step a re-run after a crash repeats is the first uncommitted one.
+- ``next_step`` is ``step + 1``: the step a re-run after a crash repeats is the first uncommitted one;
+- every field is typed (the rollout buffer as ``BufferEntry``s, the sandbox's timeout anchors as
+  (test case, seconds) pairs): no JSON inside the JSON; a schema-1 document (anchors as a JSON
+  string) is read and upgraded.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpacker.core.errors import RollpackerError
+from rollpacker.core.errors import PolicyError, RollpackerError
+from rollpacker.core.policies.buffered import BufferEntry
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: timeout_anchors was AdaptiveTimeout.to_json() text
 
 
 class StateError(RollpackerError):
@@ -61,10 +66,10 @@ class ControllerState:
     cursor_position: int
     long_queue: tuple[str, ...] = ()  # prompt ids, FIFO
     # the rollout buffer of SortedRL / partial rollout: waiting prompts and their cached responses
-    # (``core.policies.buffered.BufferEntry.to_dict``)
-    partial_cache: tuple[dict[str, Any], ...] = ()
+    partial_cache: tuple[BufferEntry, ...] = ()
     tp_plan: TPPlan = field(default_factory=TPPlan)
-    timeout_anchors: str = ""  # AdaptiveTimeout.to_json(), "" = none yet
+    # the code sandbox's adaptive-timeout anchors: (test case, seconds), sorted by test case
+    timeout_anchors: tuple[tuple[str, float], ...] = ()
     length_history: tuple[tuple[str, int], ...] = ()  # (prompt id, longest response) per trained prompt
     checkpoint_uri: str = ""  # the policy the next step rolls out with
     policy_version: int = 0
@@ -83,7 +88,9 @@ class ControllerState:
         return self.step + 1
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+        data = dataclasses.asdict(self)
+        data["partial_cache"] = [e.to_dict() for e in self.partial_cache]
+        return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str = "state") -> ControllerState:
@@ -94,7 +101,7 @@ class ControllerState:
         if not isinstance(data, dict):
             raise StateError(f"{where}: expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_VERSIONS:
             raise StateError(
                 f"{where}: schema_version {version!r}, this rollpacker reads {SCHEMA_VERSION}; "
                 "use the rollpacker version that wrote it"
@@ -103,6 +110,14 @@ class ControllerState:
         unknown = sorted(set(data) - names)
         if unknown:
             raise StateError(f"{where}: unknown field(s) {unknown}; the document is not a rollpacker state")
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        for name in required:
+            if name not in data:
+                raise StateError(f"{where}: missing field {name!r}")
         try:
             tp = data.get("tp_plan", {})
             kw = dict(data)
@@ -116,33 +131,23 @@ class ControllerState:
             kw["profile_drift"] = float(data.get("profile_drift", 0.0))
 
             kw["long_queue"] = tuple(str(x) for x in _list(data, "long_queue", where))
-            kw["partial_cache"] = tuple(dict(x) for x in _list(data, "partial_cache", where))
+            kw["partial_cache"] = tuple(
+                BufferEntry.from_dict(x, f"partial_cache[{i}]")
+                for i, x in enumerate(_list(data, "partial_cache", where))
+            )
+            kw["timeout_anchors"] = _anchors(data.get("timeout_anchors", []), version)
+            kw["schema_version"] = SCHEMA_VERSION
             kw["length_history"] = tuple((str(p), int(n)) for p, n in _list(data, "length_history", where))
-        except StateError as e:
+        except (StateError, PolicyError) as e:
             raise StateError(f"{where}: {e}") from e
         except (TypeError, ValueError) as e:
             raise StateError(f"{where}: malformed field ({e})") from e
-        required = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        for name in required:
-            if name not in kw:
-                raise StateError(f"{where}: missing field {name!r}")
         for name in ("step", "cursor_seed", "cursor_epoch", "cursor_position", "policy_version", "seed"):
             if name in kw and (not isinstance(kw[name], int) or isinstance(kw[name], bool)):
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be an integer")
         if kw.get("step", 0) < -1:
             raise StateError(f"{where}: step {kw['step']} < -1 (-1 is the initial state)")
-        for name in (
-            "experiment",
-            "arm",
-            "checkpoint_uri",
-            "profile_uri",
-            "timeout_anchors",
-            "pending_batch_uri",
-        ):
+        for name in ("experiment", "arm", "checkpoint_uri", "profile_uri", "pending_batch_uri"):
             if name in kw and not isinstance(kw[name], str):
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be a string")
         return cls(**kw)
@@ -164,3 +169,23 @@ def _list(d: dict[str, Any], key: str, where: str) -> list[Any]:
     if not isinstance(v, list):
         raise StateError(f"{where}: field {key!r} must be a list, got {type(v).__name__}")
     return v
+
+
+def _anchors(value: Any, version: int) -> tuple[tuple[str, float], ...]:
+    """The timeout anchors as sorted (test case, seconds) pairs; schema 1 kept them as the text of
+    ``AdaptiveTimeout.to_json()`` ("" = none)."""
+    if version == 1:
+        if not isinstance(value, str):
+            raise StateError("field 'timeout_anchors' of a schema-1 document must be a string")
+        if not value:
+            return ()
+        doc = json.loads(value)
+        value = sorted(doc["anchors"].items()) if isinstance(doc, dict) else None
+    if not isinstance(value, list):
+        raise StateError(f"field 'timeout_anchors' must be a list of [test case, seconds], got {value!r}")
+    pairs = []
+    for item in value:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+            raise StateError(f"field 'timeout_anchors': {item!r} is not [test case, seconds]")
+        pairs.append((item[0], float(item[1])))
+    return tuple(sorted(pairs))

@@ -35,6 +35,7 @@ from rollpacker.core.latency import (
     TrajectoryStep,
     trajectory_error,
 )
+from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
 from rollpacker.engines.layout import EnginePool, LayoutEngine
 
@@ -50,6 +51,19 @@ class ProfileSpec:
     window: int = 16  # decode steps timed per point
     token_cap: int = 0  # B * L budget per replica; 0 = the engine's KV capacity
     seed: int = 0
+
+    @classmethod
+    def for_planner(
+        cls, pc: PlannerConfig, layouts: tuple[Layout, ...], max_num_seqs: int, seed: int
+    ) -> ProfileSpec:
+        """The planner config's grid (batches the engine can hold) over ``layouts``."""
+        return cls(
+            layouts=layouts,
+            batches=tuple(b for b in pc.profile_batches if b <= max_num_seqs),
+            contexts=pc.profile_contexts,
+            window=pc.profile_window,
+            seed=seed,
+        )
 
     def grid(self, kv_capacity: int, max_model_len: int, max_num_seqs: int) -> list[tuple[int, int]]:
         cap = min(self.token_cap or kv_capacity, kv_capacity)

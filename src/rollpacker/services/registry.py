@@ -1,11 +1,12 @@
 """Where the long-lived services live: named, detached Ray actors, or plain objects in this process.
 
-The stages reach the services only through a ``ServiceRegistry``: ``get(role)`` returns a handle
-whose ``call`` blocks for a result and whose ``cast`` fires and forgets. With Ray the handle wraps
-a named, detached actor (``<experiment>.<arm>.<role>`` in the configured namespace), created on
-first use with ``get_if_exists`` so that concurrent stages never create two; it survives the stage
-process that created it, so engines stay warm across steps and KFP tasks. ``inline`` keeps the
-same services as objects in this process (``rollpacker run --runner inline``, tests).
+The stages reach the services only through a ``ServiceRegistry``: ``rollout()``, ``reward(role)``
+and ``trainer()`` return typed proxies implementing the Protocols of ``services.api``. With Ray a
+proxy wraps a named, detached actor (``<experiment>.<arm>.<role>`` in the configured namespace),
+created on first use with ``get_if_exists`` so that concurrent stages never create two; it survives
+the stage process that created it, so engines stay warm across steps and KFP tasks. ``inline``
+keeps the same services as objects in this process (``rollpacker train``, ``run --runner inline``,
+tests). A proxy method that the Protocol documents as fire-and-forget does not wait.
 
 A service is bound to the config text it was built from: when a stage brings a different config
 (an edited YAML on resume), the actor is killed and rebuilt rather than silently reused.
@@ -13,7 +14,7 @@ A service is bound to the config text it was built from: when a stage brings a d
 Invariants:
 - one live actor per (experiment, arm, role) in a namespace;
 - a service built from another config is never handed out;
-- a lost service (a dead actor, a lost Ray cluster) is rebuilt on the next ``get``; it restores
+- a lost service (a dead actor, a lost Ray cluster) is rebuilt on the next lookup; it restores
   itself from the committed state the next stage passes it (``begin``/``sync``), never from memory.
 """
 
@@ -23,22 +24,50 @@ import contextlib
 import hashlib
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, ClassVar
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
+from rollpacker.core.advantages import TrainSample
+from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.state import ControllerState
+from rollpacker.core.types import Group
+from rollpacker.devservices import local_ray_address
+from rollpacker.services.api import (
+    Anchors,
+    DrainReport,
+    EngineSync,
+    Peers,
+    ProfileSummary,
+    RewardAPI,
+    RewardBegin,
+    RolloutAPI,
+    RoundPlan,
+    RoundReport,
+    ScoreItem,
+    ServiceAPI,
+    TrainerAPI,
+    TrainerBegin,
+    TrainReport,
+    Validation,
+)
+from rollpacker.services.base import Service, ServiceError
+from rollpacker.services.reward import RewardService
+from rollpacker.services.rollout import RolloutService
+from rollpacker.services.trainer import TrainerService
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 ROLES = ("rollout", "reward", "judge", "trainer")
-
-
-class ServiceError(RollpackerError):
-    """A service could not be reached, created, or failed a call."""
-
-
-def config_digest(config_text: str) -> str:
-    return hashlib.sha256(config_text.encode()).hexdigest()[:16]
-
-
+SERVICE_CLASS: dict[str, type[Service]] = {
+    "rollout": RolloutService,
+    "reward": RewardService,
+    "judge": RewardService,
+    "trainer": TrainerService,
+}
 # the RayCluster worker group (custom resource ``rollpacker_<group>``) each service role runs in
 ROLE_RESOURCE = {
     "rollout": "rollpacker_rollout",
@@ -48,109 +77,143 @@ ROLE_RESOURCE = {
 }
 
 
-def _service_class(role: str) -> type:
-    if role == "rollout":
-        from rollpacker.services.rollout import RolloutService
-
-        return RolloutService
-    if role in ("reward", "judge"):
-        from rollpacker.services.reward import RewardService
-
-        return RewardService
-    if role == "trainer":
-        from rollpacker.services.trainer import TrainerService
-
-        return TrainerService
-    raise ServiceError(f"unknown service role {role!r}; roles: {', '.join(ROLES)}")
+def config_digest(config_text: str) -> str:
+    return hashlib.sha256(config_text.encode()).hexdigest()[:16]
 
 
+# -- handles: one service, reached in this process or in a Ray actor -----------------------------
 class Handle:
-    """A service handle: ``call`` blocks, ``cast`` returns a future and does not wait."""
+    """``call`` blocks for the result; ``cast`` starts the call and does not wait. The method is
+    given as the Protocol's function (``RolloutAPI.sync``), so its arguments are type-checked."""
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    name: str
+
+    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         raise NotImplementedError
 
-    def cast(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
         raise NotImplementedError
 
 
 class _LocalHandle(Handle):
-    def __init__(self, obj: Any, pool: ThreadPoolExecutor) -> None:
-        self.obj = obj
-        self._pool = pool
+    def __init__(self, obj: Any, pool: ThreadPoolExecutor, name: str) -> None:
+        self.obj, self._pool, self.name = obj, pool, name
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.obj, method)(*args, **kwargs)
+    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        return getattr(self.obj, method.__name__)(*args, **kwargs)  # type: ignore[no-any-return]
 
-    def cast(self, method: str, *args: Any, **kwargs: Any) -> Future[Any]:
-        return self._pool.submit(getattr(self.obj, method), *args, **kwargs)
+    def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
+        self._pool.submit(getattr(self.obj, method.__name__), *args, **kwargs)
 
 
 class _RayHandle(Handle):
     def __init__(self, actor: Any, timeout_s: float, name: str) -> None:
-        self.actor = actor
-        self.timeout_s = timeout_s
-        self.name = name
+        self.actor, self.timeout_s, self.name = actor, timeout_s, name
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         import ray
 
+        what = method.__name__
         try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout_s)
+            ref = getattr(self.actor, what).remote(*args, **kwargs)
+            return ray.get(ref, timeout=self.timeout_s)  # type: ignore[no-any-return]
         except ray.exceptions.GetTimeoutError as e:
             raise ServiceError(
-                f"service {self.name}: {method} took longer than services.call_timeout_s = {self.timeout_s} s"
+                f"service {self.name}: {what} took longer than services.call_timeout_s = {self.timeout_s} s"
             ) from e
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             if isinstance(cause, RollpackerError):
                 raise cause from None
-            raise ServiceError(f"service {self.name}: {method} failed: {cause}") from e
+            raise ServiceError(f"service {self.name}: {what} failed: {cause}") from e
         except ray.exceptions.RayActorError as e:
             raise ServiceError(
-                f"service {self.name} died during {method} ({e}); the next step rebuilds it from the "
+                f"service {self.name} died during {what} ({e}); the next step rebuilds it from the "
                 "committed state"
             ) from e
 
-    def cast(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.actor, method).remote(*args, **kwargs)
+    def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
+        getattr(self.actor, method.__name__).remote(*args, **kwargs)
 
 
-class ServiceRegistry:
-    """Service handles for one experiment arm; ``mode`` is ``ray`` or ``inline``."""
+# -- typed proxies --------------------------------------------------------------------------------
+class RolloutProxy(RolloutAPI):
+    def __init__(self, h: Handle) -> None:
+        self._h = h
 
-    _inline: ClassVar[dict[str, tuple[str, Any]]] = {}  # name -> (digest, object): process-wide
-    _inline_lock = threading.Lock()
-    _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="service-cast")
+    def sync(self, state: ControllerState) -> EngineSync:
+        return self._h.call(RolloutAPI.sync, state)
 
-    def __init__(
-        self,
-        config_text: str,
-        experiment: str,
-        arm: str,
-        mode: str = "ray",
-        ray_address: str = "",
-        namespace: str = "rollpacker",
-        call_timeout_s: float = 1800.0,
-    ) -> None:
-        if mode not in ("ray", "inline"):
-            raise ServiceError(f"services mode {mode!r}: use 'ray' or 'inline'")
-        self.config_text = config_text
-        self.digest = config_digest(config_text)
-        self.experiment = experiment
-        self.arm = arm
-        self.mode = mode
-        self.ray_address = ray_address
-        self.namespace = namespace
-        self.call_timeout_s = call_timeout_s
-        self._handles: dict[str, Handle] = {}
-        self.forward_env: tuple[str, ...] = ("ROLLPACKER_CACHE", "ROLLPACKER_LOCAL_SERVICES")
-        self.role_resources = False  # ask for the role's worker-group resource (services.role_resources)
+    def plan(self, state: ControllerState, step: int) -> RoundPlan:
+        return self._h.call(RolloutAPI.plan, state, step)
+
+    def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport:
+        return self._h.call(RolloutAPI.run_round, state, step, attempt)
+
+    def validate(self, step: int, attempt: str) -> Validation:
+        return self._h.call(RolloutAPI.validate, step, attempt)
+
+    def profile(self, key: str) -> ProfileSummary:
+        return self._h.call(RolloutAPI.profile, key)
+
+    def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
+        return self._h.call(RolloutAPI.load_weights, policy_version, checkpoint_uri, weights)
+
+
+class RewardProxy(RewardAPI):
+    def __init__(self, h: Handle) -> None:
+        self._h = h
+
+    def begin(self, attempt: str, anchors: Anchors) -> RewardBegin:
+        return self._h.call(RewardAPI.begin, attempt, anchors)
+
+    def score(self, attempt: str, request_id: str, prompt_id: str, text: str) -> None:
+        self._h.cast(RewardAPI.score, attempt, request_id, prompt_id, text)
+
+    def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
+        self._h.cast(RewardAPI.group, attempt, group, texts)
+
+    def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport:
+        return self._h.call(RewardAPI.drain, attempt, expected, rollout_end_wall)
+
+    def score_now(self, items: tuple[ScoreItem, ...]) -> tuple[bool, ...]:
+        return self._h.call(RewardAPI.score_now, items)
+
+
+class TrainerProxy(TrainerAPI):
+    def __init__(self, h: Handle) -> None:
+        self._h = h
+
+    def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin:
+        return self._h.call(TrainerAPI.begin, attempt, state, base_uri)
+
+    def submit(self, attempt: str, prompt_id: str, samples: tuple[TrainSample, ...]) -> None:
+        self._h.cast(TrainerAPI.submit, attempt, prompt_id, samples)
+
+    def finish(
+        self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
+    ) -> TrainReport:
+        return self._h.call(TrainerAPI.finish, attempt, step, expected, checkpoint_key, batch_key)
+
+
+# -- the registry ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegistrySpec:
+    """Everything a registry is made from (what travels into a Ray actor)."""
+
+    config_text: str
+    experiment: str
+    arm: str
+    mode: str = "ray"  # "ray" or "inline"
+    ray_address: str = ""
+    namespace: str = "rollpacker"
+    call_timeout_s: float = 1800.0
+    forward_env: tuple[str, ...] = ("ROLLPACKER_CACHE", "ROLLPACKER_LOCAL_SERVICES")
+    role_resources: bool = False  # ask for the role's worker-group resource (services.role_resources)
 
     @classmethod
-    def for_config(cls, config_text: str, cfg: Any, arm: str) -> ServiceRegistry:
-        mode = os.environ.get("ROLLPACKER_SERVICES", "ray")
-        reg = cls(
+    def of(cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: str) -> RegistrySpec:
+        return cls(
             config_text,
             cfg.experiment,
             arm,
@@ -158,18 +221,46 @@ class ServiceRegistry:
             ray_address=cfg.services.ray_address,
             namespace=cfg.services.namespace,
             call_timeout_s=cfg.services.call_timeout_s,
+            forward_env=(*cls.forward_env, cfg.store.access_key_env, cfg.store.secret_key_env),
+            role_resources=bool(cfg.services.role_resources),
         )
-        reg.forward_env += (cfg.store.access_key_env, cfg.store.secret_key_env)
-        reg.role_resources = bool(cfg.services.role_resources)
-        return reg
+
+
+class ServiceRegistry(Peers):
+    """Typed service proxies for one experiment arm (``spec.mode``: ``ray`` or ``inline``)."""
+
+    _inline: ClassVar[dict[str, tuple[str, Service]]] = {}  # name -> (digest, object): process-wide
+    _inline_lock = threading.Lock()
+    _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="service-cast")
+
+    def __init__(self, spec: RegistrySpec) -> None:
+        if spec.mode not in ("ray", "inline"):
+            raise ServiceError(f"services mode {spec.mode!r}: use 'ray' or 'inline'")
+        self.spec = spec
+        self.digest = config_digest(spec.config_text)
+        self._handles: dict[str, Handle] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:  # into a Ray actor: the spec, not the live handles
+        return (ServiceRegistry, (self.spec,))
 
     def name(self, role: str) -> str:
-        return f"{self.experiment}.{self.arm}.{role}"
+        return f"{self.spec.experiment}.{self.spec.arm}.{role}"
 
-    def get(self, role: str) -> Handle:
+    def rollout(self) -> RolloutAPI:
+        return RolloutProxy(self._get("rollout"))
+
+    def reward(self, role: str) -> RewardAPI:
+        if role not in ("reward", "judge"):
+            raise ServiceError(f"reward service role {role!r}: use 'reward' or 'judge'")
+        return RewardProxy(self._get(role))
+
+    def trainer(self) -> TrainerAPI:
+        return TrainerProxy(self._get("trainer"))
+
+    def _get(self, role: str) -> Handle:
         h = self._handles.get(role)
         if h is None:
-            h = self._inline_get(role) if self.mode == "inline" else self._ray_get(role)
+            h = self._inline_get(role) if self.spec.mode == "inline" else self._ray_get(role)
             self._handles[role] = h
         return h
 
@@ -182,11 +273,11 @@ class ServiceRegistry:
                 _close(got[1])
                 got = None
             if got is None:
-                obj = _service_class(role)(self.config_text, self.arm, role)
+                obj = SERVICE_CLASS[role](self.spec.config_text, self.spec.arm, role)
                 obj.bind(self)
                 got = (self.digest, obj)
                 self._inline[name] = got
-        return _LocalHandle(got[1], self._pool)
+        return _LocalHandle(got[1], self._pool, name)
 
     @classmethod
     def close_inline(cls) -> None:
@@ -197,15 +288,10 @@ class ServiceRegistry:
             cls._inline.clear()
 
     # -- Ray --------------------------------------------------------------------------------------
-    def _ray_get(self, role: str) -> Handle:
-        import ray
-
-        connect_ray(self.ray_address, self.namespace)
-        name = self.name(role)
-        actor_cls = ray.remote(_service_class(role))
+    def _actor_options(self, role: str) -> dict[str, Any]:
         opts: dict[str, Any] = {
-            "name": name,
-            "namespace": self.namespace,
+            "name": self.name(role),
+            "namespace": self.spec.namespace,
             "lifetime": "detached",
             "get_if_exists": True,
             # 2 cores: the services block on each other and on I/O; Ray must not reserve CPUs.
@@ -213,31 +299,40 @@ class ServiceRegistry:
             "max_concurrency": 16,
             "max_restarts": 0,
         }
-        if self.role_resources:
+        if self.spec.role_resources:
             opts["resources"] = {ROLE_RESOURCE[role]: 1}
-        env = {k: os.environ[k] for k in self.forward_env if os.environ.get(k)}
+        env = {k: os.environ[k] for k in self.spec.forward_env if os.environ.get(k)}
         if env:
             # the services reach the store with the credentials of the stage that created them
             opts["runtime_env"] = {"env_vars": env}
-        actor = actor_cls.options(**opts).remote(self.config_text, self.arm, role)
-        handle = _RayHandle(actor, self.call_timeout_s, name)
+        return opts
+
+    def _ray_get(self, role: str) -> Handle:
+        import ray
+
+        connect_ray(self.spec.ray_address, self.spec.namespace)
+        name = self.name(role)
+        actor_cls = ray.remote(SERVICE_CLASS[role])
+        opts = self._actor_options(role)
+        args = (self.spec.config_text, self.spec.arm, role)
+        handle = _RayHandle(actor_cls.options(**opts).remote(*args), self.spec.call_timeout_s, name)
         try:
-            digest = handle.call("config_digest")
+            digest: str | None = handle.call(ServiceAPI.config_digest)
         except ServiceError:
             digest = None  # died: rebuild below
         if digest != self.digest:
             with contextlib.suppress(Exception):  # already gone
-                ray.kill(actor, no_restart=True)
-            _wait_gone(name, self.namespace)
-            actor = actor_cls.options(**opts).remote(self.config_text, self.arm, role)
-            handle = _RayHandle(actor, self.call_timeout_s, name)
-            handle.call("config_digest")
-        handle.call("bind_ray", self.config_text, self.experiment, self.ray_address, self.namespace)
+                ray.kill(handle.actor, no_restart=True)
+            _wait_gone(name, self.spec.namespace)
+            handle = _RayHandle(actor_cls.options(**opts).remote(*args), self.spec.call_timeout_s, name)
+            handle.call(ServiceAPI.config_digest)
+        handle.call(ServiceAPI.bind, self)
         return handle
 
     def kill_all(self) -> None:
         """Stop this arm's services (end of an arm: frees the engine's memory for the next)."""
-        if self.mode == "inline":
+        self._handles.clear()
+        if self.spec.mode == "inline":
             with self._inline_lock:
                 for role in ROLES:
                     got = self._inline.pop(self.name(role), None)
@@ -246,19 +341,18 @@ class ServiceRegistry:
             return
         import ray
 
-        connect_ray(self.ray_address, self.namespace)
+        connect_ray(self.spec.ray_address, self.spec.namespace)
         for role in ROLES:
             try:
-                actor = ray.get_actor(self.name(role), namespace=self.namespace)
+                actor = ray.get_actor(self.name(role), namespace=self.spec.namespace)
             except ValueError:
                 continue
             with contextlib.suppress(Exception):
                 ray.get(actor.close.remote(), timeout=60)
             ray.kill(actor, no_restart=True)
-        self._handles.clear()
 
 
-def _close(obj: Any) -> None:
+def _close(obj: Service) -> None:
     with contextlib.suppress(Exception):
         obj.close()
 
@@ -280,17 +374,12 @@ def _wait_gone(name: str, namespace: str, timeout_s: float = 30.0) -> None:
 
 def connect_ray(address: str, namespace: str) -> None:
     """Join the Ray cluster (``services.ray_address``, else $RAY_ADDRESS, else the local head that
-    ``rollpacker up`` started); a clear error when none answers."""
+    ``rollpacker up`` recorded); a clear error when none answers."""
     import ray
 
     if ray.is_initialized():
         return
-    addr = address or os.environ.get("RAY_ADDRESS", "")
-    if not addr:
-        from rollpacker import devservices
-
-        find = getattr(devservices, "local_ray_address", None)
-        addr = (find() if find is not None else "") or ""
+    addr = address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
     if not addr:
         raise ServiceError(
             "no Ray cluster to run the services on: set services.ray_address or $RAY_ADDRESS, or start "

@@ -12,23 +12,30 @@ Invariants:
   of a response that a group already took is ignored;
 - every group handed to the trainer carries all its rewards;
 - the sandbox's timeout anchors restart from the committed state at every attempt (``begin``).
+
+With ``reward.measure_sync_stage`` the drain also scores every response of the step again, all at
+once: the synchronous reward stage the step would have had (``reward/sync_stage_s``), to set beside
+``reward/tail_s``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from rollpacker.core.advantages import train_samples
 from rollpacker.core.errors import RewardError, TrainerError
-from rollpacker.core.tasks import RewardKind
+from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout
 from rollpacker.core.types import Group
-from rollpacker.rewards.base import RewardRequest, RewardResult
+from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
+from rollpacker.rewards.factory import build_rewards
+from rollpacker.services.api import Anchors, DrainReport, RewardAPI, RewardBegin, ScoreItem
 from rollpacker.services.base import Service
+from rollpacker.tasks.registry import load_task
 
 ROLE_KINDS = {"reward": (RewardKind.MATH, RewardKind.CODE), "judge": (RewardKind.JUDGE,)}
 
@@ -42,19 +49,20 @@ class _Attempt:
     groups_done: list[str] = field(default_factory=list)  # prompt ids handed to the trainer
     results: list[RewardResult] = field(default_factory=list)
     kinds: list[RewardKind] = field(default_factory=list)
+    requests: list[RewardRequest] = field(default_factory=list)  # every response scored into the step
     last_done_wall: float = 0.0
     error: BaseException | None = None
 
 
-class RewardService(Service):
+class RewardService(Service, RewardAPI):
     def __init__(self, config_text: str, arm: str, role: str = "reward") -> None:
         super().__init__(config_text, arm, role)
         if role not in ROLE_KINDS:
             raise RewardError(f"reward service role {role!r}: use 'reward' or 'judge'")
         self.kinds = ROLE_KINDS[role]
         self.timeouts = AdaptiveTimeout(self.cfg.reward.sandbox.timeouts())
-        self._router: Any = None
-        self._examples: dict[str, Any] | None = None
+        self._router: RewardRouter | None = None
+        self._examples: dict[str, TaskExample] = {}
         self._lock = threading.Condition()
         self._cur = _Attempt("")
 
@@ -62,33 +70,30 @@ class RewardService(Service):
         """Build the reward functions of this role's kinds the task uses (once per process)."""
         if self._router is not None:
             return
-        from rollpacker.loop.runner import build_rewards
-        from rollpacker.tasks.registry import load_task
-
         t = self.cfg.task
         examples = load_task(t.name, seed=t.seed, num_examples=t.num_examples)
         mine = [ex for ex in examples if ex.reward_kind in self.kinds]
         self._examples = {ex.example_id: ex for ex in mine}
         self._router = build_rewards(self.cfg, mine, self.timeouts, quiet=True) if mine else None
 
-    def begin(self, attempt: str, anchors_json: str = "") -> dict[str, Any]:
+    def begin(self, attempt: str, anchors: Anchors) -> RewardBegin:
         """Start an attempt: forget the previous one, restore the committed timeout anchors."""
         t0 = time.perf_counter()
         self._ready()
-        if anchors_json:
-            self.timeouts.reset(AdaptiveTimeout.from_json(anchors_json).anchors())
-        else:
-            self.timeouts.reset({})
+        self.timeouts.reset(dict(anchors))
         with self._lock:
             self._cur = _Attempt(attempt)
-        return {"seconds": time.perf_counter() - t0, "kinds": [k.value for k in self.kinds]}
+        return RewardBegin(time.perf_counter() - t0, tuple(k.value for k in self.kinds))
 
     def _submit(self, sample_id: str, prompt_id: str, text: str) -> Future[RewardResult]:
-        assert self._examples is not None and self._router is not None
         ex = self._examples.get(prompt_id)
-        if ex is None:
+        if ex is None or self._router is None:
             raise RewardError(f"{self.role} service: prompt {prompt_id!r} is not of kinds {self.kinds}")
-        return self._router.submit(RewardRequest(sample_id=sample_id, example=ex, response=text))
+        req = RewardRequest(sample_id=sample_id, example=ex, response=text)
+        if self.cfg.reward.measure_sync_stage and not sample_id.endswith("#val"):
+            with self._lock:
+                self._cur.requests.append(req)
+        return self._router.submit(req)
 
     def score(self, attempt: str, request_id: str, prompt_id: str, text: str) -> None:
         with self._lock:
@@ -100,7 +105,7 @@ class RewardService(Service):
             if self._cur is cur:
                 cur.early[request_id] = fut
 
-    def group(self, attempt: str, group: Group, texts: list[str]) -> None:
+    def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
         """A final group (``texts``: its responses decoded); rewarded groups go to the trainer."""
         with self._lock:
             cur = self._cur
@@ -115,7 +120,7 @@ class RewardService(Service):
             f if f is not None else self._submit(c.request_id, c.prompt_id, t)
             for f, c, t in zip(early, group.responses, texts, strict=True)
         ]
-        ex_kind = self._examples[group.prompt.prompt_id].reward_kind  # type: ignore[index]
+        ex_kind = self._examples[group.prompt.prompt_id].reward_kind
         box: list[RewardResult | None] = [None] * len(futs)
         left = [len(futs)]
 
@@ -138,7 +143,7 @@ class RewardService(Service):
             with self._lock:
                 if self._cur is not cur:
                     return
-                self.peer("trainer").cast("submit", attempt, group.prompt.prompt_id, samples)
+                self.peers.trainer().submit(attempt, group.prompt.prompt_id, tuple(samples))
                 cur.results.extend(got)
                 cur.kinds.extend([ex_kind] * len(got))
                 cur.groups_done.append(group.prompt.prompt_id)
@@ -149,7 +154,7 @@ class RewardService(Service):
         for i, f in enumerate(futs):
             f.add_done_callback(lambda f, i=i: done(i, f))
 
-    def drain(self, attempt: str, expected: list[str], rollout_end_wall: float) -> dict[str, Any]:
+    def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport:
         """Wait for every expected group's rewards; the step's reward metrics and timeout anchors."""
         t0 = time.perf_counter()
         timeout_s = self.cfg.services.call_timeout_s
@@ -171,40 +176,60 @@ class RewardService(Service):
                 raise TrainerError(
                     f"{self.role} service: {len(missing)} groups unrewarded after {timeout_s} s"
                 )
-            results, kinds = list(cur.results), list(cur.kinds)
-            wasted = len(cur.early)
-            last = cur.last_done_wall
-        out: dict[str, Any] = {"drain_s": time.perf_counter() - t0, "groups": len(want)}
-        m: dict[str, float] = {}
-        if results:
-            pre = "judge" if self.role == "judge" else "reward"
-            rewards = [r.reward for r in results]
-            lat = [r.elapsed_s for r in results]
-            m = {
-                f"{pre}/mean": sum(rewards) / len(rewards),
-                f"{pre}/tail_s": max(0.0, last - rollout_end_wall),
-                f"{pre}/latency_s_mean": sum(lat) / len(lat),
-                f"{pre}/latency_s_max": max(lat),
-                f"{pre}/timeouts": float(sum(r.status.value == "timeout" for r in results)),
-                f"{pre}/wasted": float(wasted),
-                f"{pre}/samples": float(len(results)),
-            }
-            by: dict[str, list[float]] = {}
-            for r, k in zip(results, kinds, strict=True):
-                by.setdefault(k.value, []).append(r.reward)
-            for k, v in sorted(by.items()):
-                m[f"reward/{k}_mean"] = sum(v) / len(v)
-            out["reward_sum"] = sum(rewards)
-            out["samples"] = len(rewards)
-        out["metrics"] = m
-        out["timeout_anchors"] = self.timeouts.to_json() if self.role == "reward" else ""
-        return out
+            results, kinds, wasted = list(cur.results), list(cur.kinds), len(cur.early)
+        metrics = self._metrics(results, kinds, wasted, cur.last_done_wall - rollout_end_wall)
+        if cur.requests:
+            metrics["reward/sync_stage_s"] = self._sync_stage(cur.requests)
+        return DrainReport(
+            role=self.role,
+            drain_s=time.perf_counter() - t0,
+            groups=len(want),
+            samples=len(results),
+            reward_sum=sum(r.reward for r in results),
+            metrics=metrics,
+            timeout_anchors=tuple(sorted(self.timeouts.anchors().items())) if self.role == "reward" else (),
+        )
 
-    def score_now(self, items: list[tuple[str, str, str]]) -> list[bool]:
-        """Score (sample id, prompt id, text) items at once and wait (validation)."""
+    def _metrics(
+        self, results: list[RewardResult], kinds: list[RewardKind], wasted: int, tail_s: float
+    ) -> dict[str, float]:
+        if not results:
+            return {}
+        pre = "judge" if self.role == "judge" else "reward"
+        rewards = [r.reward for r in results]
+        lat = [r.elapsed_s for r in results]
+        m = {
+            f"{pre}/mean": sum(rewards) / len(rewards),
+            f"{pre}/tail_s": max(0.0, tail_s),
+            f"{pre}/latency_s_mean": sum(lat) / len(lat),
+            f"{pre}/latency_s_max": max(lat),
+            f"{pre}/timeouts": float(sum(r.status.value == "timeout" for r in results)),
+            f"{pre}/wasted": float(wasted),
+            f"{pre}/samples": float(len(results)),
+        }
+        by: dict[str, list[float]] = {}
+        for r, k in zip(results, kinds, strict=True):
+            by.setdefault(k.value, []).append(r.reward)
+        for k, v in sorted(by.items()):
+            m[f"reward/{k}_mean"] = sum(v) / len(v)
+        return m
+
+    def _sync_stage(self, requests: list[RewardRequest]) -> float:
+        """Seconds to score ``requests`` again, all at once after rollout (a synchronous stage)."""
+        router = self._router
+        if router is None:
+            return 0.0
+        t0 = time.perf_counter()
+        futs = [router.submit(dataclasses.replace(r, sample_id=f"{r.sample_id}#sync")) for r in requests]
+        for f in futs:
+            f.result()
+        return time.perf_counter() - t0
+
+    def score_now(self, items: tuple[ScoreItem, ...]) -> tuple[bool, ...]:
+        """Score items at once and wait (validation)."""
         self._ready()
-        futs = [self._submit(f"{sid}#val", pid, text) for sid, pid, text in items]
-        return [f.result().correct for f in futs]
+        futs = [self._submit(f"{it.sample_id}#val", it.prompt_id, it.text) for it in items]
+        return tuple(f.result().correct for f in futs)
 
     def close(self) -> None:
         if self._router is not None:

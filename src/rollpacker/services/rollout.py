@@ -15,22 +15,34 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rollpacker.core.config import PolicyName
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.policies.base import RolloutPolicy
-from rollpacker.core.prompts import CursorState, LongPromptQueue, PromptCursor
+from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
+from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Completion, Group, SamplingSpec
-from rollpacker.services.base import Service, TaskData, task_data
+from rollpacker.rollout.driver import generate, run_round, sample_requests
+from rollpacker.services.api import (
+    EngineSync,
+    ProfileSummary,
+    RolloutAPI,
+    RoundPlan,
+    RoundReport,
+    ScoreItem,
+    Validation,
+)
+from rollpacker.services.base import Service, checkpoint_cache
+from rollpacker.store.base import cached_download
+from rollpacker.tasks.models import TaskData, task_data
 
 
 class Superseded(RollpackerError):
@@ -42,7 +54,7 @@ def reward_role(kind: RewardKind) -> str:
     return "judge" if kind is RewardKind.JUDGE else "reward"
 
 
-class RolloutService(Service):
+class RolloutService(Service, RolloutAPI):
     def __init__(self, config_text: str, arm: str, role: str = "rollout") -> None:
         super().__init__(config_text, arm, role)
         self.engine: Any = None
@@ -55,32 +67,23 @@ class RolloutService(Service):
         self._pred_uri = ""
 
     # -- weights --------------------------------------------------------------------------------
-    def sync(self, state_json: str) -> dict[str, Any]:
+    def sync(self, state: ControllerState) -> EngineSync:
         """Serve the state's checkpoint: start the engine on it, or load its weights in place."""
-        state = ControllerState.from_json(state_json)
         t0 = time.perf_counter()
         self._attempt = f"sync@{time.time_ns()}"  # a new step supersedes any round still running
         with self._round_lock:
             return self._sync_locked(state, t0)
 
-    def _sync_locked(self, state: ControllerState, t0: float) -> dict[str, Any]:
+    def _sync_locked(self, state: ControllerState, t0: float) -> EngineSync:
         from rollpacker.engines.vllm_engine import VLLMEngine
-        from rollpacker.store.objstore import cached_download
 
         started = reloaded = False
         if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
-            return {
-                "started": False,
-                "reloaded": False,
-                "seconds": 0.0,
-                "policy_version": self.policy_version,
-            }
-        local = cached_download(self.store(), state.checkpoint_uri, _cache_root())
+            return EngineSync(False, False, 0.0, self.policy_version)
+        local = cached_download(self.store(), state.checkpoint_uri, checkpoint_cache())
         model_dir = local / "model" if (local / "model").is_dir() else local
         if self.engine is None:
             cfg = self.cfg
-            import dataclasses
-
             ecfg = dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
             self.engine = self._start_layouts(ecfg) if cfg.planner.devices else VLLMEngine(ecfg)
             started = True
@@ -90,12 +93,7 @@ class RolloutService(Service):
         self.model_dir = model_dir
         self.checkpoint_uri = state.checkpoint_uri
         self.policy_version = state.policy_version
-        return {
-            "started": started,
-            "reloaded": reloaded,
-            "seconds": time.perf_counter() - t0,
-            "policy_version": self.policy_version,
-        }
+        return EngineSync(started, reloaded, time.perf_counter() - t0, self.policy_version)
 
     def _start_layouts(self, ecfg: Any) -> Any:
         """The warm engines of every layout of ``planner.devices`` devices, behind a switching
@@ -185,9 +183,6 @@ class RolloutService(Service):
             self.checkpoint_uri = checkpoint_uri
         return time.perf_counter() - t0
 
-    def tokenizer_dir(self) -> str:
-        return str(self.model_dir)
-
     # -- planning ---------------------------------------------------------------------------------
     def data(self) -> TaskData:
         if self.model_dir is None:
@@ -196,74 +191,54 @@ class RolloutService(Service):
         return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir))
 
     def _policy(self, state: ControllerState, attempt: str) -> RolloutPolicy:
-        from rollpacker.core.policies.buffered import buffer_from_state
-        from rollpacker.core.policies.partial import PartialPolicy
-        from rollpacker.core.policies.sorted import SortedPolicy
-        from rollpacker.core.policies.sync import SyncPolicy
-        from rollpacker.core.policies.tail_batching import TailBatchingPolicy
-
+        """The arm's policy for one step, rebuilt from the committed state."""
         data = self.data()
         r = self.cfg.rollout
         in_flight = r.partial.in_flight or min(
             self._concurrency(), r.prompts_per_step * r.responses_per_prompt
         )
-        window = {
-            PolicyName.SORTED: r.sorted.group_size * r.prompts_per_step,
-            PolicyName.PARTIAL: r.prompts_per_step + in_flight,
-        }.get(r.policy, r.launched_prompts)
         cursor = PromptCursor(
             data.train_prompts,
             seed=state.cursor_seed,
             state=CursorState(state.cursor_seed, state.cursor_epoch, state.cursor_position),
-            window=min(window, len(data.train_prompts) // 2),
+            window=min(cursor_window(r, in_flight), len(data.train_prompts) // 2),
         )
         spec = SamplingSpec(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p)
-        ns = f"{self.arm}/{attempt}"
-        by_id = data.by_id
-        if r.policy is PolicyName.SYNC:
-            return SyncPolicy(r, cursor, lambda _p, _j: spec, namespace=ns)
-        if r.policy is PolicyName.TAIL_BATCHING:
-            queue = LongPromptQueue(by_id[i] for i in state.long_queue)
-            return TailBatchingPolicy(r, cursor, lambda _p, _j: spec, queue=queue, namespace=ns)
-        buffer = buffer_from_state(state.partial_cache, by_id.__contains__)
-        if r.policy is PolicyName.SORTED:
-            return SortedPolicy(r, cursor, lambda _p, _j: spec, by_id, buffer=buffer, namespace=ns)
-        return PartialPolicy(
-            r,
-            cursor,
-            lambda _p, _j: spec,
-            by_id,
-            in_flight=in_flight,
-            buffer=buffer,
+        inputs = PolicyInputs(
+            rollout=r,
+            cursor=cursor,
+            sampling=lambda _p, _j: spec,
+            prompts=data.by_id,
+            long_queue=state.long_queue,
+            buffer=state.partial_cache,
             policy_version=state.policy_version,
-            namespace=ns,
+            in_flight=in_flight,
+            namespace=f"{self.arm}/{attempt}",
         )
+        return build_policy(r.policy.value, inputs)
 
     def _concurrency(self) -> int:
         eng = self.engine
         return int(eng.concurrency) if eng is not None else self.cfg.engine.max_num_seqs
 
-    def plan(self, state_json: str, step: int) -> dict[str, Any]:
-        state = ControllerState.from_json(state_json)
+    def plan(self, state: ControllerState, step: int) -> RoundPlan:
         plan = self._policy(state, "plan").plan_step(step)
-        return {
-            "round_kind": plan.round_kind.value,
-            "prompts": [p.prompt_id for p in plan.prompts],
-            "from_queue": list(plan.from_queue),
-            "target_prompts": plan.target_prompts,
-            "roles": sorted({reward_role(ex.reward_kind) for ex in self.data().examples.values()}),
-        }
+        return RoundPlan(
+            round_kind=plan.round_kind.value,
+            prompts=tuple(p.prompt_id for p in plan.prompts),
+            from_queue=tuple(plan.from_queue),
+            target_prompts=plan.target_prompts,
+            roles=tuple(sorted({reward_role(ex.reward_kind) for ex in self.data().examples.values()})),
+        )
 
     # -- the round --------------------------------------------------------------------------------
-    def run_round(self, state_json: str, step: int, attempt: str) -> dict[str, Any]:
-        """Roll out step ``step`` of ``attempt``; returns the round summary (JSON-able)."""
-        from rollpacker.rollout.driver import run_round
-
+    def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport:
+        """Roll out step ``step`` of ``attempt``; finished responses and groups go to the reward
+        services while the round runs."""
         self._attempt = attempt  # an older round still running sees this and stops
         with self._round_lock:
             if self._attempt != attempt:
                 raise Superseded(f"step {step}: attempt {attempt} was superseded before it started")
-            state = ControllerState.from_json(state_json)
             policy = self._policy(state, attempt)
             plan = policy.plan_step(step)
             data = self.data()
@@ -272,13 +247,13 @@ class RolloutService(Service):
 
             def on_response(c: Completion) -> None:
                 text = tok.decode(list(c.token_ids), skip_special_tokens=True)
-                self.peer(reward_role(kinds[c.prompt_id])).cast(
-                    "score", attempt, c.request_id, c.prompt_id, text
+                self.peers.reward(reward_role(kinds[c.prompt_id])).score(
+                    attempt, c.request_id, c.prompt_id, text
                 )
 
             def on_group(g: Group) -> None:
-                texts = [tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses]
-                self.peer(reward_role(kinds[g.prompt.prompt_id])).cast("group", attempt, g, texts)
+                texts = tuple(tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses)
+                self.peers.reward(reward_role(kinds[g.prompt.prompt_id])).group(attempt, g, texts)
 
             def on_step(*_: Any) -> None:
                 if self._attempt != attempt:
@@ -297,38 +272,48 @@ class RolloutService(Service):
             except Superseded:
                 self._drain_engine()
                 raise
-            result = run.result
-            policy.commit(result)  # this attempt's policy object only: the next state's cursor/queue
-            m = run.metrics
-            queue = getattr(policy, "queue", None)
-            buffer = getattr(policy, "buffer", None)
-            cur = policy.cursor.state  # type: ignore[attr-defined]
-            lengths = [c.num_tokens for g in result.groups for c in g.responses]
-            return {
-                "step": step,
-                "attempt": attempt,
-                "round_kind": plan.round_kind.value,
-                "trained": [g.prompt.prompt_id for g in result.groups],
-                "deferred": [p.prompt_id for p in result.deferred],
-                "from_queue": list(plan.from_queue),
-                "groups_by_role": _count_roles(result.groups, kinds),
-                "lengths": lengths,
-                "longest": {
-                    g.prompt.prompt_id: max(c.num_tokens for c in g.responses) for g in result.groups
-                },
-                "next_cursor": asdict(cur),
-                "next_queue": [p.prompt_id for p in queue.snapshot()] if queue is not None else [],
-                # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it
-                # goes to the store, and the commit copies it into the state document
-                "next_buffer_uri": self._put_buffer(step, attempt, buffer) if buffer else "",
-                "metrics": {
-                    **m.logged(len(queue) if queue is not None else 0),
-                    "rollout/buffer_size": float(len(buffer or ())),
-                    "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
-                    **layout_metrics,
-                    **self._layout_metrics(),
-                },
-            }
+            policy.commit(run.result)  # this attempt's policy object only: the next state's cursor/queue
+            return self._report(step, attempt, policy, plan.from_queue, run, kinds, layout_metrics)
+
+    def _report(
+        self,
+        step: int,
+        attempt: str,
+        policy: RolloutPolicy,
+        from_queue: Sequence[str],
+        run: Any,
+        kinds: dict[str, RewardKind],
+        layout_metrics: dict[str, float],
+    ) -> RoundReport:
+        result = run.result
+        queue = getattr(policy, "queue", None)
+        buffer = getattr(policy, "buffer", None)
+        return RoundReport(
+            step=step,
+            attempt=attempt,
+            round_kind=result.plan.round_kind.value,
+            trained=tuple(g.prompt.prompt_id for g in result.groups),
+            deferred=tuple(p.prompt_id for p in result.deferred),
+            from_queue=tuple(from_queue),
+            groups_by_role=_count_roles(result.groups, kinds),
+            lengths=tuple(c.num_tokens for g in result.groups for c in g.responses),
+            longest=tuple(
+                (g.prompt.prompt_id, max(c.num_tokens for c in g.responses)) for g in result.groups
+            ),
+            next_cursor=policy.cursor.state,
+            next_queue=tuple(p.prompt_id for p in queue.snapshot()) if queue is not None else (),
+            # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it goes
+            # to the store, and the commit copies it into the state document
+            next_buffer_uri=self._put_buffer(step, attempt, buffer) if buffer else "",
+            metrics={
+                **run.metrics.logged(len(queue) if queue is not None else 0),
+                "rollout/buffer_size": float(len(buffer or ())),
+                "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
+                **layout_metrics,
+                **self._layout_metrics(),
+            },
+            end_wall=time.time(),
+        )
 
     def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
         key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
@@ -344,36 +329,35 @@ class RolloutService(Service):
             self.engine.step()
 
     # -- validation and profiling -----------------------------------------------------------------
-    def validate(self, step: int, attempt: str, samples: int = 1) -> dict[str, float]:
+    def validate(self, step: int, attempt: str) -> Validation:
         """Accuracy on the held-out split under the served weights, scored by the reward services."""
-        from rollpacker.rollout.driver import generate, sample_requests
-
         with self._round_lock:
             data = self.data()
             v = self.cfg.validation
             sp = SamplingSpec(max_tokens=v.max_tokens, temperature=v.temperature)
-            reqs = sample_requests(data.val_prompts, samples, sp, f"val/{self.arm}/{attempt}/s{step}")
+            prompts = data.train_prompts if v.split == "train" else data.val_prompts
+            reqs = sample_requests(prompts, v.samples, sp, f"val/{self.arm}/{attempt}/s{step}")
             t0 = time.perf_counter()
             comps = generate(self.engine, reqs)
         tok = _tokenizer(str(self.model_dir))
-        by_role: dict[str, list[tuple[str, str, str]]] = {}
+        by_role: dict[str, list[ScoreItem]] = {}
         for c in comps:
             role = reward_role(data.examples[c.prompt_id].reward_kind)
-            by_role.setdefault(role, []).append(
-                (c.request_id, c.prompt_id, tok.decode(list(c.token_ids), skip_special_tokens=True))
-            )
+            text = tok.decode(list(c.token_ids), skip_special_tokens=True)
+            by_role.setdefault(role, []).append(ScoreItem(c.request_id, c.prompt_id, text))
         correct: list[bool] = []
         for role, items in sorted(by_role.items()):
-            correct.extend(self.peer(role).call("score_now", items))
-        return {
-            "val/accuracy": sum(correct) / len(correct),
-            "val/mean_response_len": sum(c.num_tokens for c in comps) / len(comps),
-            "val/time_s": time.perf_counter() - t0,
-        }
+            correct.extend(self.peers.reward(role).score_now(tuple(items)))
+        return Validation(
+            accuracy=sum(correct) / len(correct),
+            mean_response_len=sum(c.num_tokens for c in comps) / len(comps),
+            time_s=time.perf_counter() - t0,
+        )
 
-    def profile(self) -> dict[str, Any]:
-        """The profile table of the served engines (every layout, or the one engine) over the
-        planner's grid, and real decoding trajectories of validation prompts it is checked on."""
+    def profile(self, key: str) -> ProfileSummary:
+        """Profile the served engines (every layout, or the one engine) over the planner's grid,
+        check the predictor on real decoding of validation prompts, and write the document to the
+        store at ``key``."""
         from rollpacker.core.latency import Layout
         from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
         from rollpacker.engines.profiler import ProfileSpec, profile_and_check
@@ -386,21 +370,22 @@ class RolloutService(Service):
             else:  # one engine: profile it as the single layout tp x 1
                 single = LayoutEngine(Layout(eng.tp_size, 1), [eng])
                 pool = EnginePool.of({single.layout: single}, eng.cfg)
-            spec = ProfileSpec(
-                layouts=pool.layouts,
-                batches=tuple(b for b in pc.profile_batches if b <= self.cfg.engine.max_num_seqs),
-                contexts=pc.profile_contexts,
-                window=pc.profile_window,
-                seed=self.cfg.seed,
-            )
+            spec = ProfileSpec.for_planner(pc, pool.layouts, self.cfg.engine.max_num_seqs, self.cfg.seed)
             data = self.data()
-            return profile_and_check(
+            doc = profile_and_check(
                 pool,
                 spec,
                 data.val_prompts[: min(64, len(data.val_prompts))],
                 self.cfg.rollout.max_tokens,
                 self.cfg.validation.temperature,
             )
+        uri = self.store().put_json(key, doc)
+        return ProfileSummary(
+            uri=uri,
+            points=sum(len(x["points"]) for x in doc["table"]["layouts"]),
+            window_error={k: float(v["window_mape"]) for k, v in doc["validation"].items()},
+            seconds=float(doc.get("seconds", 0.0)),
+        )
 
     def close(self) -> None:
         if self.engine is not None:
@@ -408,11 +393,11 @@ class RolloutService(Service):
             self.engine = None
 
 
-def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, list[str]]:
+def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, tuple[str, ...]]:
     out: dict[str, list[str]] = {"reward": [], "judge": []}
     for g in groups:
         out[reward_role(kinds[g.prompt.prompt_id])].append(g.prompt.prompt_id)
-    return out
+    return {k: tuple(v) for k, v in out.items()}
 
 
 @functools.lru_cache(maxsize=4)
@@ -436,9 +421,3 @@ def _read_safetensors(model_dir: Path) -> list[tuple[str, Any]]:
         if emb is not None:
             out.append(("lm_head.weight", emb))
     return out
-
-
-def _cache_root() -> Path:
-    import os
-
-    return Path(os.environ.get("ROLLPACKER_CACHE", Path.home() / ".cache" / "rollpacker")) / "checkpoints"

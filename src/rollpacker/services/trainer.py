@@ -30,11 +30,14 @@ from typing import Any
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.metrics import policy_lag
+from rollpacker.core.serde import MessageError
 from rollpacker.core.state import ControllerState
-from rollpacker.services.base import Service
+from rollpacker.services.api import PendingBatch, TrainerAPI, TrainerBegin, TrainReport
+from rollpacker.services.base import Service, checkpoint_cache
+from rollpacker.store.base import ObjectStore, cached_download
 
 
-class TrainerService(Service):
+class TrainerService(Service, TrainerAPI):
     def __init__(self, config_text: str, arm: str, role: str = "trainer") -> None:
         super().__init__(config_text, arm, role)
         self.trainer: Any = None
@@ -48,14 +51,10 @@ class TrainerService(Service):
         self._pending = 0  # one-off: samples of the previous step being trained now
         self._cond = threading.Condition()
 
-    def begin(self, attempt: str, state_json: str, base_uri: str) -> dict[str, Any]:
-        from rollpacker.services.rollout import _cache_root
-        from rollpacker.store.objstore import cached_download
+    def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin:
         from rollpacker.trainers.stream import StreamTrainer
-        from rollpacker.trainers.torch_trainer import TorchTrainer
 
         t0 = time.perf_counter()
-        state = ControllerState.from_json(state_json)
         with self._cond:
             self._attempt = attempt
             self._got = set()
@@ -66,22 +65,9 @@ class TrainerService(Service):
         if self.stream is not None:
             self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
             self.stream = None
-        restored = False
-        if self.trainer is None or self.checkpoint_uri != state.checkpoint_uri:
-            ck = cached_download(self.store(), state.checkpoint_uri, _cache_root())
-            base = cached_download(self.store(), base_uri, _cache_root())
-            model_dir = ck / "model" if (ck / "model").is_dir() else ck
-            cfg = self.cfg
-            self.trainer = TorchTrainer(
-                model_dir,
-                dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
-                temperature=cfg.rollout.temperature,
-                ref_model_dir=base / "model" if (base / "model").is_dir() else base,
-            )
-            if (ck / "trainer.json").is_file():
-                self.trainer.load_checkpoint(ck)
-            self.checkpoint_uri = state.checkpoint_uri
-            restored = True
+        restored = self.trainer is None or self.checkpoint_uri != state.checkpoint_uri
+        if restored:
+            self._restore(state.checkpoint_uri, base_uri)
         if self.trainer.policy_version != state.policy_version:
             raise TrainerError(
                 f"checkpoint {state.checkpoint_uri} holds policy version {self.trainer.policy_version}, "
@@ -94,9 +80,26 @@ class TrainerService(Service):
             self._pending = len(pending)
             self._versions = [s.versions for s in pending]
             self.stream.submit(pending)  # its gradients run while this step rolls out
-        return {"seconds": time.perf_counter() - t0, "restored": restored, "pending": self._pending}
+        return TrainerBegin(time.perf_counter() - t0, restored, self._pending)
 
-    def submit(self, attempt: str, prompt_id: str, samples: list[TrainSample]) -> None:
+    def _restore(self, checkpoint_uri: str, base_uri: str) -> None:
+        """The torch trainer at ``checkpoint_uri`` (weights, optimizer, RNG, policy version)."""
+        from rollpacker.trainers.torch_trainer import TorchTrainer
+
+        ck = cached_download(self.store(), checkpoint_uri, checkpoint_cache())
+        base = cached_download(self.store(), base_uri, checkpoint_cache())
+        cfg = self.cfg
+        self.trainer = TorchTrainer(
+            ck / "model" if (ck / "model").is_dir() else ck,
+            dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
+            temperature=cfg.rollout.temperature,
+            ref_model_dir=base / "model" if (base / "model").is_dir() else base,
+        )
+        if (ck / "trainer.json").is_file():
+            self.trainer.load_checkpoint(ck)
+        self.checkpoint_uri = checkpoint_uri
+
+    def submit(self, attempt: str, prompt_id: str, samples: tuple[TrainSample, ...]) -> None:
         with self._cond:
             if attempt != self._attempt:
                 return  # a late group of an older attempt
@@ -108,12 +111,12 @@ class TrainerService(Service):
                 self._held.extend(samples)
             else:
                 self._versions.extend(s.versions for s in samples)
-                self.stream.submit(samples)
+                self.stream.submit(list(samples))
             self._cond.notify_all()
 
     def finish(
-        self, attempt: str, step: int, expected: list[str], checkpoint_key: str, batch_key: str = ""
-    ) -> dict[str, Any]:
+        self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
+    ) -> TrainReport:
         """The step's one optimizer update on exactly ``expected`` groups (one-off: on the previous
         step's, and ``expected`` are stored at ``batch_key`` for the next); checkpoint; weight push."""
         t0 = time.perf_counter()
@@ -132,20 +135,19 @@ class TrainerService(Service):
                 )
             samples = self._samples
         wait_s = time.perf_counter() - t0
-        out: dict[str, Any] = {}
+        pending_uri = ""
         if self.cfg.rollout.one_off:
             if not batch_key:
                 raise TrainerError("one-off pipeline: finish needs the key to store the step's batch at")
-            out["pending_batch_uri"] = save_batch(self.store(), batch_key, self._held)
+            pending_uri = save_batch(self.store(), batch_key, self._held)
             samples = self._pending
             if not self._pending:  # the first step: nothing rolled out before it, no update
-                return {
-                    **out,
-                    "checkpoint_uri": self.checkpoint_uri,
-                    "policy_version": self.trainer.policy_version,
-                    "samples": 0,
-                    "metrics": {"train/wait_s": wait_s, "train/held_samples": float(len(self._held))},
-                }
+                held = {"train/wait_s": wait_s, "train/held_samples": float(len(self._held))}
+                return TrainReport(self.checkpoint_uri, self.trainer.policy_version, 0, pending_uri, held)
+        return self._update(samples, wait_s, checkpoint_key, pending_uri)
+
+    def _update(self, samples: int, wait_s: float, checkpoint_key: str, pending_uri: str) -> TrainReport:
+        """The deferred optimizer step, the checkpoint in the store, the weight push."""
         lag = policy_lag(self._versions, self.trainer.policy_version)
         report = self.stream.finish()
         t_ck = time.perf_counter()
@@ -156,15 +158,15 @@ class TrainerService(Service):
         self.checkpoint_uri = uri
         weights = {n: t.detach().clone() for n, t in self.trainer.weights()}
         t_sync = time.perf_counter()
-        self.peer("rollout").call("load_weights", self.trainer.policy_version, uri, weights)
+        self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
         sync_s = time.perf_counter() - t_sync
         st = report.stats
-        return {
-            **out,
-            "checkpoint_uri": uri,
-            "policy_version": self.trainer.policy_version,
-            "samples": samples,
-            "metrics": {
+        return TrainReport(
+            checkpoint_uri=uri,
+            policy_version=self.trainer.policy_version,
+            samples=samples,
+            pending_batch_uri=pending_uri,
+            metrics={
                 **lag.logged("train"),
                 "train/behav_weight": st.behav_weight,
                 "train/time_s": report.finish_s,
@@ -179,7 +181,7 @@ class TrainerService(Service):
                 "train/checkpoint_s": ckpt_s,
                 "weights/sync_s": sync_s,
             },
-        }
+        )
 
     def close(self) -> None:
         if self.stream is not None:
@@ -187,28 +189,15 @@ class TrainerService(Service):
             self.stream = None
 
 
-def save_batch(store: Any, key: str, samples: list[TrainSample]) -> str:
-    """Write rewarded samples (the one-off pipeline's pending batch) as JSON; returns the URI."""
-    return str(store.put_json(key, {"version": 1, "samples": [dataclasses.asdict(s) for s in samples]}))
+def save_batch(store: ObjectStore, key: str, samples: list[TrainSample]) -> str:
+    """Write rewarded samples (the one-off pipeline's pending batch); returns the URI."""
+    return store.put_bytes(key, PendingBatch(tuple(samples)).to_json().encode(), "application/json")
 
 
-def load_batch(store: Any, uri: str) -> list[TrainSample]:
+def load_batch(store: ObjectStore, uri: str) -> list[TrainSample]:
     """The samples ``save_batch`` wrote; a malformed document is refused by name."""
-    doc = store.get_json(store.key_of(uri))
-    if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("samples"), list):
-        raise TrainerError(f"{uri}: not a pending batch (version 1) written by the trainer service")
-    out = []
     try:
-        for d in doc["samples"]:
-            out.append(
-                TrainSample(
-                    **{
-                        **d,
-                        **{k: tuple(d[k]) for k in ("prompt_ids", "response_ids", "behaviour_logprobs")},
-                        "token_versions": tuple(d.get("token_versions", ())),
-                    }
-                )
-            )
-    except (TypeError, ValueError, KeyError) as e:
-        raise TrainerError(f"{uri}: malformed sample in the pending batch ({e})") from e
-    return out
+        batch = PendingBatch.from_json(store.get_bytes(store.key_of(uri)).decode(), where=uri)
+    except MessageError as e:
+        raise TrainerError(f"not a pending batch written by the trainer service: {e}") from e
+    return list(batch.samples)

@@ -1,6 +1,6 @@
 """The controller's state between steps: one immutable document per step and a pointer to the newest.
 
-Layout of one arm (``s3://<bucket>/`` omitted)::
+Layout of one arm (the store's URI prefix, ``s3://<bucket>/`` or ``file://<root>/``, omitted)::
 
     <experiment>/<arm>/state/step-<n:06d>.json     ControllerState after step n (step -1: "step--00001")
     <experiment>/<arm>/state/LATEST.json           {"step": n, "key": "<the doc's key>"}
@@ -35,7 +35,7 @@ import re
 from pathlib import PurePosixPath
 
 from rollpacker.core.state import ControllerState, StateError
-from rollpacker.store.objstore import ObjectStore, StoreError
+from rollpacker.store.base import ObjectStore, StoreError
 
 INITIAL_STEP = -1
 _DOC = re.compile(r"step-(-?\d+)\.json")
@@ -43,13 +43,14 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 class StateStore:
-    """The state documents of one arm of one experiment."""
+    """The state documents of one arm of one experiment, in any :class:`ObjectStore` (S3 or file).
+    The pointer move is atomic because the port's ``put_bytes`` is (see its Contract)."""
 
     def __init__(self, store: ObjectStore, experiment: str, arm: str) -> None:
         for what, value in (("experiment", experiment), ("arm", arm)):
             if not isinstance(value, str) or not _NAME.fullmatch(value):
                 raise StateError(
-                    f"{what} = {value!r}: use letters, digits, '.', '_' or '-' (it becomes an S3 key prefix)"
+                    f"{what} = {value!r}: use letters, digits, '.', '_' or '-' (it becomes a key prefix)"
                 )
         self.store = store
         self.experiment = experiment

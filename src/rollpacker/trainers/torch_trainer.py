@@ -1,13 +1,14 @@
 """GRPO / PPO-clip trainer on plain torch, with the stream trainer's deferred, exact update.
 
 Per response token ``t`` of sample ``i`` (advantage ``A_i``, behaviour logprob ``b``, current
-logprob ``p`` under ``logits / temperature``):
+logprob ``p`` under ``logits / temperature``), ``l_pg`` is the ``train.objective``'s per-token loss,
+found through the registry in ``rollpacker.trainers.objectives`` (each file holds its formula):
 
     ratio = exp(p - b)
-    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)        (objective ppo)
+    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)        (objectives/ppo.py)
 
 or, with the decoupled objective of partial rollout (AReaL; ``q`` = proximal logprob, the logprob
-under the weights the update starts from, taken without gradient):
+under the weights the update starts from, taken without gradient; objectives/decoupled_ppo.py):
 
     l_pg  = -min(exp(p - b) * A_i, exp(q - b) * clip(exp(p - q), 1 - eps_low, 1 + eps_high) * A_i)
 
@@ -49,6 +50,7 @@ from rollpacker.core.config import TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
 from rollpacker.trainers.base import AccumStats, TrainStats
+from rollpacker.trainers.objectives import get_objective
 
 CHECKPOINT_VERSION = 1
 _TOKENIZER_FILES = (
@@ -107,7 +109,8 @@ class TorchTrainer:
         self.pad_id = int(self.model.config.pad_token_id or self.model.config.eos_token_id or 0)
         self.policy_version = 0
         self.optimizer_steps = 0
-        self.decoupled = cfg.objective == "decoupled_ppo"
+        # ``auto`` is resolved per arm (ExperimentConfig.for_arm); unresolved, it trains with ppo
+        self.objective = get_objective("ppo" if cfg.objective == "auto" else cfg.objective)
         self._prox: dict[str, list[float]] = {}  # sample id -> proximal logprobs (mini-batches)
         self._lock = threading.Lock()
         self._reset_accum()
@@ -192,7 +195,8 @@ class TorchTrainer:
             raise TrainerError("train_batch while streamed gradients are pending: finish_step first")
         k = min(self.cfg.mini_batches, len(samples))
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
-        if self.decoupled and k > 1:  # the proximal policy is the weights before the first step
+        # the proximal policy is the weights before the first step
+        if self.objective.needs_proximal and k > 1:
             self._prox = dict(zip((s.sample_id for s in samples), self.logprobs(samples), strict=True))
         steps = []
         try:
@@ -243,8 +247,8 @@ class TorchTrainer:
         w = torch.tensor(
             [token_weight(self.norm, s.num_tokens) for s in mb], dtype=logp.dtype, device=self.device
         )[:, None]
-        lo, hi = 1 - self.cfg.clip_eps_low, 1 + self.cfg.clip_eps_high
-        if self.decoupled:
+        prox = None
+        if self.objective.needs_proximal:
             if self._prox:
                 prox = torch.tensor(
                     [self._prox[s.sample_id] + [0.0] * (width - s.num_tokens) for s in mb],
@@ -253,15 +257,10 @@ class TorchTrainer:
                 )
             else:  # streamed: no update before finish_step, so the current weights are proximal
                 prox = logp.detach()
-            bw = torch.exp(prox - behaviour)  # pi_prox / pi_behav, no gradient
-            ratio = torch.exp(logp - prox)
-            clipped_ratio = ratio.clamp(lo, hi)
-            pg = -torch.minimum(torch.exp(logp - behaviour) * adv, bw * clipped_ratio * adv)
-        else:
-            bw = torch.ones_like(logp)
-            ratio = torch.exp(logp - behaviour)
-            clipped_ratio = ratio.clamp(lo, hi)
-            pg = -torch.minimum(ratio * adv, clipped_ratio * adv)
+        terms = self.objective.per_token(
+            logp, behaviour, prox, adv, self.cfg.clip_eps_low, self.cfg.clip_eps_high
+        )
+        pg, ratio, clipped_ratio, bw = terms.loss, terms.ratio, terms.clipped_ratio, terms.behav_weight
         per_tok = pg
         kl = torch.zeros_like(pg)
         if self.ref_model is not None:

@@ -171,10 +171,10 @@ class BufferEntry:
         )
 
 
-def buffer_from_state(cache: Iterable[dict[str, Any]], known: Callable[[str], bool]) -> list[BufferEntry]:
-    """The buffer of a state document's ``partial_cache``; a prompt the task does not have is an
-    error (the state belongs to another dataset), never silently dropped."""
-    out = [BufferEntry.from_dict(d, f"partial_cache[{i}]") for i, d in enumerate(cache)]
+def buffer_from_state(cache: Iterable[BufferEntry], known: Callable[[str], bool]) -> list[BufferEntry]:
+    """The buffer of a state's ``partial_cache``, checked: a prompt twice, or a prompt the task does
+    not have, is an error (the state belongs to another dataset), never silently dropped."""
+    out = list(cache)
     ids = [e.prompt_id for e in out]
     if len(set(ids)) != len(ids):
         raise PolicyError(f"partial_cache holds prompt {next(i for i in ids if ids.count(i) > 1)!r} twice")

@@ -40,7 +40,7 @@ services: {{ray_address: "{ray}"}}
 
 
 def _run(cfg: Path, tmp: Path) -> RollpackerError:
-    from rollpacker.loop.experiment import run_experiment
+    from rollpacker.experiment import run_experiment
 
     t0 = time.monotonic()
     with pytest.raises(RollpackerError) as e:

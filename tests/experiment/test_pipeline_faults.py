@@ -72,10 +72,10 @@ validation: {{every: 100, max_tokens: 64}}
 def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from rollpacker.core.config import load_config
     from rollpacker.core.planner import replay
-    from rollpacker.loop.experiment import run_experiment
-    from rollpacker.loop.runner import load_config
-    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.experiment import run_experiment
+    from rollpacker.store import open_store
     from rollpacker.store.state_store import StateStore
     from rollpacker.tracking import ExperimentTracker
 
@@ -83,6 +83,10 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
         monkeypatch.setenv(k, v)
     marks = tmp_path / "marks"
     marks.mkdir()
+    from rollpacker.stages.hooks import HOOK_ENV
+    from rollpacker.testing.faults import HOOK
+
+    monkeypatch.setenv(HOOK_ENV, HOOK)
     monkeypatch.setenv("ROLLPACKER_FAULT", ",".join(FAULTS))
     monkeypatch.setenv("ROLLPACKER_FAULT_MARK", str(marks))
     cfg_path = _config(services, tmp_path)
@@ -104,12 +108,12 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     assert arm.committed_step == STEPS - 1
 
     cfg = load_config(cfg_path)
-    store = ObjectStore.from_config(cfg.store)
+    store = open_store(cfg.store)
     states = StateStore(store, cfg.experiment, "tail_batching")
     assert states.history() == list(range(-1, STEPS))
     chain = [states.load(s) for s in range(-1, STEPS)]
     groups = [json.loads(states.get_blob(s, "groups.json")) for s in range(STEPS)]
-    commits = [json.loads(states.get_blob(s, "commit.json")) for s in range(STEPS)]
+    commits = [json.loads(states.get_blob(s, "commit.json")) for s in range(STEPS)]  # read as a user would
 
     p0 = cfg.rollout.prompts_per_step
     for s in range(STEPS):

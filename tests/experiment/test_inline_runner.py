@@ -28,9 +28,9 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.Service
 def test_inline_runner_runs_both_arms_and_resumes(
     s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollpacker.loop.experiment import run_experiment
-    from rollpacker.loop.runner import load_config
-    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.core.config import load_config
+    from rollpacker.experiment import run_experiment
+    from rollpacker.store import open_store
     from rollpacker.store.state_store import StateStore
 
     for k, v in s3.env().items():
@@ -60,7 +60,7 @@ validation: {{{{every: 100, max_tokens: 32}}}}
     )
     assert again.arms[0].steps_run == 1
     cfg = load_config(cfg_path)
-    states = StateStore(ObjectStore.from_config(cfg.store), cfg.experiment, "sync")
+    states = StateStore(open_store(cfg.store), cfg.experiment, "sync")
     assert states.history() == [-1, 0, 1, 2]
     assert states.latest().policy_version == 3  # type: ignore[union-attr]
 
@@ -76,8 +76,8 @@ def test_layouts_follow_the_plan_and_the_profile_is_registered(
     from mlflow.tracking import MlflowClient
 
     from rollpacker.core.latency import ProfileTable
-    from rollpacker.loop.experiment import run_experiment
-    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.experiment import run_experiment
+    from rollpacker.store import open_store
     from rollpacker.store.state_store import StateStore
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -105,10 +105,10 @@ validation: {{every: 100, max_tokens: 32}}
     out = run_experiment(cfg_path, runner="inline", start_services=False, echo=lambda s: None)
     assert out.arms[0].committed_step == 1 and out.arms[0].failures == 0
 
-    from rollpacker.loop.runner import load_config
+    from rollpacker.core.config import load_config
 
     cfg = load_config(cfg_path)
-    store = ObjectStore.from_config(cfg.store)
+    store = open_store(cfg.store)
     state = StateStore(store, "layouts", "tail_batching").latest()
     assert state is not None and state.profile_uri
     doc = store.get_json(store.key_of(state.profile_uri))
@@ -147,9 +147,9 @@ def test_buffered_policies_and_the_one_off_mode_keep_their_caches_in_the_state(
 
     from mlflow.tracking import MlflowClient
 
-    from rollpacker.loop.experiment import run_experiment
-    from rollpacker.loop.runner import load_config
-    from rollpacker.store.objstore import ObjectStore
+    from rollpacker.core.config import load_config
+    from rollpacker.experiment import run_experiment
+    from rollpacker.store import open_store
     from rollpacker.store.state_store import StateStore
 
     for k, v in s3.env().items():
@@ -185,7 +185,7 @@ validation: {{{{every: 100, max_tokens: 32}}}}
     assert all(a.steps_run == 1 and a.failures == 0 for a in again.arms)
 
     cfg = load_config(cfg_path)
-    store = ObjectStore.from_config(cfg.store)
+    store = open_store(cfg.store)
 
     def states(arm: str) -> StateStore:
         return StateStore(store, "policies", arm)

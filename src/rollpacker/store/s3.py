@@ -1,44 +1,50 @@
-"""The S3 object store (MinIO in a cluster, SeaweedFS on one machine) behind one small class.
+"""The S3 adapter of the object store port (MinIO in a cluster, SeaweedFS on one machine).
 
-Everything the controller keeps between steps (state documents, per-step blobs, checkpoints,
-profiles) goes through :class:`ObjectStore`, which talks S3 with the ``minio`` client. Every
+:class:`S3Store` talks S3 with the ``minio`` client and implements
+:class:`rollpacker.store.base.ObjectStore`; it passes ``tests/store/test_store_contract.py``. Every
 failure the user can fix comes out as a :class:`StoreError` that names the setting to fix
 (``store.endpoint``, ``store.bucket``, the credential variables) or the ``s3://`` URI concerned.
 
-Invariants (tests/store/test_objstore.py):
+Invariants (tests/store/test_objstore.py, tests/store/test_store_contract.py):
 - a wrong endpoint fails in seconds, not after minutes of retries (short timeouts, few retries);
 - ``get_bytes(k)`` after ``put_bytes(k, b)`` returns ``b``; a missing key names its ``s3://`` URI;
 - ``download_dir(upload_dir(d, p), t)`` reproduces every file of ``d`` under ``t``;
 - ``download_dir`` is atomic: the target directory appears complete or not at all, and an existing
-  complete download of the same URI is reused, never mixed with another one.
+  complete download of the same URI is reused, never mixed with another one;
+- credentials come from the variables ``store.access_key_env`` / ``store.secret_key_env`` name, or,
+  when both are unset, from the file `rollpacker up` wrote for the same endpoint.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-import hashlib
 import io
 import json
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Iterator, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
 from rollpacker.core.config import StoreConfig
-from rollpacker.core.errors import RollpackerError
+from rollpacker.store.base import (
+    StoreError,
+    check_dir_prefix,
+    check_key,
+    download_atomically,
+    dump_json,
+    load_json,
+    short,
+    upload_plan,
+)
 
-# `rollpacker up` writes the local store's keys here (mode 0600); ObjectStore falls back to them when
+# `rollpacker up` writes the local store's keys here (mode 0600); S3Store falls back to them when
 # the credential variables are unset. $ROLLPACKER_SERVICES_DIR moves the whole services directory.
 SERVICES_DIR_ENV = "ROLLPACKER_SERVICES_DIR"
 DEFAULT_SERVICES_DIR = Path("build/services")
 CREDENTIALS_FILE = "credentials.json"
-
-# A download's marker file: the URI it came from. A directory holding it is a complete download.
-DOWNLOAD_MARKER = ".rollpacker-download"
 
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 30.0
@@ -49,10 +55,6 @@ _CREDENTIAL_CODES = frozenset(
 )
 _MISSING_KEY_CODES = frozenset({"NoSuchKey", "ResourceNotFound", "NoSuchObject"})
 _URI = re.compile(r"s3://([^/]+)(?:/(.*))?")
-
-
-class StoreError(RollpackerError, RuntimeError):
-    """The object store cannot be reached or used, or an object or URI is missing or malformed."""
 
 
 def local_credentials_path(env: Mapping[str, str] | None = None) -> Path:
@@ -101,9 +103,9 @@ def _http_client(secure: bool) -> Any:
     )
 
 
-class ObjectStore:
+class S3Store:
     """One bucket of an S3 server. Keys are plain strings (``exp/arm/state/step-000003.json``);
-    URIs are ``s3://<bucket>/<key>``."""
+    URIs are ``s3://<bucket>/<key>``. Implements :class:`rollpacker.store.base.ObjectStore`."""
 
     def __init__(
         self,
@@ -140,7 +142,7 @@ class ObjectStore:
         cfg: StoreConfig,
         env: Mapping[str, str] | None = None,
         credentials_file: Path | None = None,
-    ) -> ObjectStore:
+    ) -> S3Store:
         """The store ``cfg`` names, with keys from ``$<access_key_env>`` / ``$<secret_key_env>``;
         when both are unset, from the local credentials file `rollpacker up` wrote for the same
         endpoint (``build/services/credentials.json``, or under ``$ROLLPACKER_SERVICES_DIR``)."""
@@ -207,15 +209,15 @@ class ObjectStore:
             return StoreError(f"{what}: S3 error {e.code}: {e.message}")
         if isinstance(e, urllib3.exceptions.HTTPError):
             reason = getattr(e, "reason", None) or e
-            return self._endpoint_error(f"{type(reason).__name__}: {_short(reason)}")
+            return self._endpoint_error(f"{type(reason).__name__}: {short(reason)}")
         if isinstance(e, (InvalidResponseError, ServerError, ElementTree.ParseError)):
             return StoreError(
                 f"store.endpoint = {self.endpoint!r}: the server there does not answer like S3 "
-                f"({_short(e)}); fix store.endpoint (host:port of MinIO / SeaweedFS S3)"
+                f"({short(e)}); fix store.endpoint (host:port of MinIO / SeaweedFS S3)"
             )
         if isinstance(e, ValueError):
             return StoreError(f"{what}: {e}")
-        return StoreError(f"{what}: {type(e).__name__}: {_short(e)}")
+        return StoreError(f"{what}: {type(e).__name__}: {short(e)}")
 
     def _bucket_error(self) -> StoreError:
         return StoreError(
@@ -271,13 +273,13 @@ class ObjectStore:
     # -- objects ---------------------------------------------------------------------------------
 
     def put_bytes(self, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
-        _check_key(key)
+        check_key(key)
         with self._s3(f"write {self.uri(key)}"):
             self._client.put_object(self.bucket, key, io.BytesIO(data), len(data), content_type=content_type)
         return self.uri(key)
 
     def get_bytes(self, key: str) -> bytes:
-        _check_key(key)
+        check_key(key)
         with self._s3(f"{self.uri(key)}"):
             resp = self._client.get_object(self.bucket, key)
             try:
@@ -289,7 +291,7 @@ class ObjectStore:
     def exists(self, key: str) -> bool:
         from minio.error import S3Error
 
-        _check_key(key)
+        check_key(key)
         with self._s3(f"stat {self.uri(key)}"):
             try:
                 self._client.stat_object(self.bucket, key)
@@ -300,16 +302,12 @@ class ObjectStore:
         return True
 
     def put_json(self, key: str, obj: Any) -> str:
-        return self.put_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode(), "application/json")
+        return self.put_bytes(key, dump_json(obj), "application/json")
 
     def get_json(self, key: str) -> Any:
-        data = self.get_bytes(key)
-        try:
-            return json.loads(data)
-        except ValueError as e:
-            raise StoreError(f"{self.uri(key)}: not JSON ({e})") from e
+        return load_json(self.get_bytes(key), self.uri(key))
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "") -> builtins.list[str]:
         """Every key under ``prefix`` (recursive), sorted."""
         with self._s3(f"list {self.uri(prefix)}"):
             return sorted(
@@ -323,10 +321,7 @@ class ObjectStore:
         takes ``a/bc/`` with it); returns how many were deleted."""
         from minio.deleteobjects import DeleteObject
 
-        if not prefix or not prefix.endswith("/") or prefix.startswith("/"):
-            raise StoreError(
-                f"delete_prefix({prefix!r}): the prefix must be a non-empty 'dir/' ending in '/'"
-            )
+        check_dir_prefix(prefix)
         keys = self.list(prefix)
         if not keys:
             return 0
@@ -344,17 +339,8 @@ class ObjectStore:
     def upload_dir(self, local_dir: Path | str, prefix: str) -> str:
         """Upload every file under ``local_dir`` (recursive) to ``prefix/<relative path>``; returns
         the prefix's URI (ending in ``/``)."""
-        src = Path(local_dir)
-        if not src.is_dir():
-            raise StoreError(f"upload_dir: {src} is not a directory")
-        prefix = prefix.strip("/")
-        if not prefix:
-            raise StoreError("upload_dir: give a non-empty key prefix (e.g. exp/arm/ckpt/step-000003)")
-        files = sorted(p for p in src.rglob("*") if p.is_file() and p.name != DOWNLOAD_MARKER)
-        if not files:
-            raise StoreError(f"upload_dir: {src} holds no files")
-        for path in files:
-            key = f"{prefix}/{path.relative_to(src).as_posix()}"
+        prefix, files = upload_plan(local_dir, prefix)
+        for path, key in files:
             with self._s3(f"upload {path} to {self.uri(key)}"):
                 self._client.fput_object(self.bucket, key, str(path))
         return self.uri(prefix + "/")
@@ -364,71 +350,9 @@ class ObjectStore:
         sibling first, renamed into place when complete. A ``local_dir`` that already holds a
         complete download of the same URI is reused as it is; one that holds anything else is refused.
         """
-        dst = Path(local_dir)
-        prefix = self.key_of(uri).strip("/")
-        uri = self.uri(prefix)  # one spelling per prefix: s3://b/x/ and s3://b/x are the same download
-        if _is_download_of(dst, uri):
-            return dst
-        if dst.exists():
-            raise StoreError(
-                f"download_dir: {dst} exists and is not a complete download of {uri}; remove it or choose "
-                "another directory"
-            )
-        keys = self.list(prefix + "/" if prefix else "")
-        if not keys:
-            raise StoreError(f"download_dir: nothing under {uri}; check the URI (was it uploaded?)")
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            tmp.mkdir()
-            base = PurePosixPath(prefix) if prefix else None
-            for key in keys:
-                rel = PurePosixPath(key).relative_to(base) if base else PurePosixPath(key)
-                if ".." in rel.parts or rel.is_absolute():
-                    raise StoreError(f"download_dir: refusing key {key!r} (escapes the target directory)")
-                target = tmp.joinpath(*rel.parts)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with self._s3(f"download {self.uri(key)}"):
-                    self._client.fget_object(self.bucket, key, str(target))
-            (tmp / DOWNLOAD_MARKER).write_text(uri)
-            try:
-                tmp.rename(dst)
-            except OSError:
-                if not _is_download_of(dst, uri):  # a concurrent download of the same URI won: reuse it
-                    raise
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        return dst
 
-    def cached_download(self, uri: str, cache_root: Path | str) -> Path:
-        """``download_dir`` into a cache directory keyed by the URI (checkpoint and profile URIs are
-        immutable, so a cached copy never goes stale); a second call returns the same directory."""
-        uri = self.uri(self.key_of(uri).strip("/"))
-        tail = re.sub(r"[^A-Za-z0-9._-]", "_", uri.rstrip("/").rsplit("/", 1)[-1])[:40] or "root"
-        digest = hashlib.sha256(uri.encode()).hexdigest()[:16]
-        return self.download_dir(uri, Path(cache_root) / f"{digest}-{tail}")
+        def fetch(key: str, target: Path) -> None:
+            with self._s3(f"download {self.uri(key)}"):
+                self._client.fget_object(self.bucket, key, str(target))
 
-
-def cached_download(store: ObjectStore, uri: str, cache_root: Path | str) -> Path:
-    """``store.cached_download(uri, cache_root)``."""
-    return store.cached_download(uri, cache_root)
-
-
-def _is_download_of(path: Path, uri: str) -> bool:
-    marker = path / DOWNLOAD_MARKER
-    try:
-        return marker.read_text() == uri
-    except OSError:
-        return False
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
-        raise StoreError(f"object key {key!r}: use a non-empty relative key like 'exp/arm/state/x.json'")
-
-
-def _short(e: object, limit: int = 200) -> str:
-    text = str(e)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+        return download_atomically(self, uri, local_dir, fetch)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.loop.runner import load_config
+from rollpacker.core.config import load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 

@@ -1,0 +1,356 @@
+"""The runners of the one RL step (``stages``): ``rollpacker run`` / ``make run-experiment`` (every
+arm through the pipeline, then the comparison) and ``rollpacker train`` (one arm, in this process).
+
+``run_experiment``:
+
+1. the local services (S3, MLflow, Ray) are started when the config points at them and none
+   answers (and stopped at the end: only what this run started, by PID);
+2. the store, MLflow and Ray are checked before any step, naming the setting to fix;
+3. each arm runs its remaining steps (``steps`` minus what its committed state already holds:
+   an interrupted experiment continues from its last committed step) through ``kfp.local``, or
+   ``--runner inline`` calls the same stages in this process;
+4. after each arm its services are stopped (the next arm's engine needs the memory);
+5. ``rollpacker compare`` prints the table and logs it to MLflow.
+
+A failed step (a crashed stage) leaves the committed state on the previous step; ``retries``
+re-runs the arm from there before giving up.
+
+``train_arm`` (``rollpacker train``, ``bench learning``): the same stages and services in this
+process, no KFP and no Ray; the state in the config's store, or in a local directory when the
+config names none; MLflow at ``tracking_uri`` (a SQLite file by default).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollpacker import devservices
+from rollpacker.core.config import ExperimentConfig, apply_overrides, config_from_text, load_config
+from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.pipeline_local import run_arm_kfp
+from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import GroupsLog
+from rollpacker.stages.run import run_step
+from rollpacker.store import open_store
+from rollpacker.store.state_store import StateStore
+from rollpacker.tasks.models import prepare_model
+from rollpacker.tracking import ExperimentTracker, compare, log_compare
+
+
+@dataclass
+class ArmOutcome:
+    arm: str
+    steps_run: int
+    failures: int
+    seconds: float
+    committed_step: int
+
+
+@dataclass
+class ExperimentOutcome:
+    experiment: str
+    arms: list[ArmOutcome] = field(default_factory=list)
+    compare_table: str = ""
+    tracking_uri: str = ""
+
+
+def remaining_steps(cfg: ExperimentConfig, arm: str) -> tuple[int, int]:
+    """(committed step, steps left) of an arm from its committed state."""
+    latest = StateStore(open_store(cfg.store), cfg.experiment, arm).latest()
+    done = latest.step if latest is not None else -1
+    return done, max(0, cfg.steps - (done + 1))
+
+
+def preflight(cfg: ExperimentConfig, runner: str) -> None:
+    """Fail before any step when a store, MLflow or Ray setting is wrong."""
+    open_store(cfg.store).check()
+    ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
+    if runner == "kfp":
+        connect_ray(cfg.services.ray_address, cfg.services.namespace)
+
+
+def run_experiment(
+    config_path: Path,
+    runner: str = "kfp",
+    arms: Sequence[str] | None = None,
+    retries: int = 1,
+    pipeline_root: Path = Path("build/kfp"),
+    start_services: bool = True,
+    echo: Callable[[str], None] | None = None,
+    fresh: bool = False,
+) -> ExperimentOutcome:
+    err = sys.stderr  # bound now: kfp.local's run redirects sys.stderr into its log
+    say = echo or (lambda s: print(s, file=err, flush=True))
+    if runner not in ("kfp", "inline"):
+        raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
+    text = Path(config_path).read_text() if Path(config_path).is_file() else None
+    if text is None:
+        raise ConfigError(f"config file {config_path} does not exist; see configs/experiment.yaml")
+    cfg = load_config(config_path)
+    chosen = list(arms) if arms else cfg.arm_names
+    for a in chosen:
+        if a not in cfg.arm_names:
+            raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
+    started: Any = None
+    if start_services and _is_local(cfg):
+        started = _local_up(cfg, say)
+    try:
+        preflight(cfg, runner)
+        if fresh:
+            reset_arms(cfg, chosen, say)
+        out = ExperimentOutcome(cfg.experiment, tracking_uri=cfg.tracking_uri)
+        for arm in chosen:
+            out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say))
+        report = compare(cfg.tracking_uri, cfg.experiment)
+        log_compare(report, cfg.tracking_uri, cfg.experiment)
+        out.compare_table = report.render()
+        return out
+    finally:
+        _disconnect_ray()
+        if runner == "inline":
+            ServiceRegistry.close_inline()
+        if started is not None:
+            devservices.down(started.root, names=started.started)
+            say("[services] stopped the local services this run started")
+
+
+def _run_arm(
+    cfg: ExperimentConfig,
+    text: str,
+    arm: str,
+    runner: str,
+    retries: int,
+    root: Path,
+    say: Callable[[str], None],
+) -> ArmOutcome:
+    t0 = time.perf_counter()
+    failures = 0
+    ran = 0
+    mode = "ray" if runner == "kfp" else "inline"
+    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, mode))
+    try:
+        while True:
+            done, left = remaining_steps(cfg, arm)
+            if left == 0:
+                say(f"[{arm}] all {cfg.steps} steps committed")
+                return ArmOutcome(arm, ran, failures, time.perf_counter() - t0, done)
+            say(f"[{arm}] committed through step {done}; running {left} more step(s) ({runner})")
+            try:
+                if runner == "kfp":
+                    run_arm_kfp(text, arm, left, root, echo=say)
+                else:
+                    ctx = StageContext.create(text, arm, "inline")
+                    for _ in range(left):
+                        out = run_step(ctx)
+                        say(f"[{arm}] {_brief(out.metrics)}")
+                ran += left
+            except RollpackerError as e:
+                failures += 1
+                after, _ = remaining_steps(cfg, arm)
+                ran += after - done
+                if failures > retries:
+                    raise
+                say(f"[{arm}] a step failed ({str(e).splitlines()[0]}); re-running from step {after + 1}")
+    finally:
+        registry.kill_all()
+
+
+def _disconnect_ray() -> None:
+    """Leave the Ray cluster this process joined: a driver still connected when the cluster goes
+    away (``make down``, a test's teardown) is exited by Ray itself."""
+    if "ray" not in sys.modules:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _brief(m: dict[str, float]) -> str:
+    keys = ("step/time_s", "rollout/time_s", "reward/mean", "val/accuracy")
+    return " ".join(f"{k}={m[k]:.3g}" for k in keys if k in m)
+
+
+def _is_local(cfg: ExperimentConfig) -> bool:
+    host = cfg.store.endpoint.split(":")[0]
+    return host in ("127.0.0.1", "localhost") and not os.environ.get("RAY_ADDRESS")
+
+
+def _local_up(cfg: ExperimentConfig, say: Callable[[str], None]) -> Any:
+    """Start the local services unless they already run; returns what was started (to stop)."""
+    svc = devservices.up()
+    fresh = [n for n in svc.started] if getattr(svc, "started", None) else []
+    if fresh:
+        say(f"[services] started {', '.join(fresh)} (S3 {svc.s3_endpoint}, MLflow {svc.tracking_uri})")
+        return svc
+    say(f"[services] reusing the running local services (MLflow {svc.tracking_uri})")
+    return None
+
+
+def reset_arms(cfg: ExperimentConfig, arms: Sequence[str], say: Callable[[str], None]) -> None:
+    """``--fresh``: delete the arms' committed states, blobs and checkpoints, and their MLflow runs."""
+    store = open_store(cfg.store)
+    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    for a in arms:
+        n = StateStore(store, cfg.experiment, a).reset()
+        run = tracker.find_arm_run(a)
+        if run is not None:
+            tracker.client.delete_run(run)  # the arm starts a new MLflow run
+        say(f"[{a}] --fresh: deleted {n} objects and the arm's MLflow run")
+
+
+# -- one arm in this process: `rollpacker train`, `bench learning` --------------------------------
+@dataclass(frozen=True)
+class ExactlyOnce:
+    """From an arm's groups logs and final state: no prompt trained twice, none lost."""
+
+    prompts_trained: int
+    trained_twice: tuple[str, ...]
+    deferred_total: int
+    deferred_lost: tuple[str, ...]  # deferred, never trained, and neither queued nor buffered
+    waiting: int  # deferred prompts still in the long-prompt queue or the rollout buffer
+
+    @property
+    def ok(self) -> bool:
+        return not self.trained_twice and not self.deferred_lost
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    arm: str
+    run_id: str
+    steps: int  # committed steps
+    steps_run: int  # of them, run by this call
+    trained_samples: int
+    val_accuracy: tuple[tuple[int, float], ...]  # (step, accuracy): step 0 is before any RL
+    wall_s: float
+    store_uri: str
+    tracking_uri: str
+    exactly_once: ExactlyOnce
+    step_metrics: tuple[dict[str, float], ...] = field(default_factory=tuple)  # MLflow, step 1..N
+
+
+def train_config(
+    config_path: Path, overrides: dict[str, Any] | None = None, run_name: str = ""
+) -> tuple[str, ExperimentConfig]:
+    """The config text and config of a single-arm training run: the arm is ``rollout.policy``
+    (with ``rollout.one_off``) named ``run_name`` (default ``<policy>[-one-off]-seed<seed>``); the
+    state goes to ``<out_dir>/store`` when the config names no store."""
+    import yaml
+
+    base = load_config(config_path, overrides)  # validates first, naming the file
+    data = yaml.safe_load(Path(config_path).read_text()) or {}
+    apply_overrides(data, overrides or {}, str(config_path))
+    policy = base.rollout.policy.value
+    name = (
+        run_name or base.run_name or f"{policy}{'-one-off' if base.rollout.one_off else ''}-seed{base.seed}"
+    )
+    data["arms"] = [{"name": name.lower().replace(".", "-"), "policy": policy}]
+    if "store" not in data:
+        root = Path(base.out_dir).resolve() / "store"
+        root.mkdir(parents=True, exist_ok=True)
+        data["store"] = {"endpoint": f"file://{root}"}
+    text = yaml.safe_dump(data, sort_keys=False)
+    return text, config_from_text(text, where=f"{config_path} (as one training arm)")
+
+
+def train_arm(
+    text: str,
+    *,
+    resume: bool = False,
+    fresh: bool = False,
+    progress: bool = True,
+    say: Callable[[str], None] | None = None,
+) -> TrainSummary:
+    """Run the single arm of ``text`` to ``steps`` through the stages, services in this process."""
+    from tqdm import tqdm
+
+    cfg = config_from_text(text)
+    (arm,) = cfg.arm_names
+    say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+    states = StateStore(open_store(cfg.store), cfg.experiment, arm)
+    open_store(cfg.store).check()
+    ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
+    if fresh:
+        reset_arms(cfg, [arm], say)
+    elif states.latest() is not None and not resume:
+        raise ConfigError(
+            f"arm {arm!r} of experiment {cfg.experiment!r} already has committed steps in "
+            f"{states.store.uri(states.prefix)}: pass --resume to continue it or --fresh to "
+            "start it over"
+        )
+    t0 = time.perf_counter()
+    done, left = remaining_steps(cfg, arm)
+    if done < 0:
+        prepare_model(cfg, quiet=not progress)  # the warm-up's own bar (cached after the first run)
+    ctx = StageContext.create(text, arm, "inline")
+    bar = tqdm(total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress)
+    try:
+        for _ in range(left):
+            out = run_step(ctx)
+            bar.update(1)
+            bar.set_postfix_str(_brief(out.metrics))
+    finally:
+        bar.close()
+        ctx.services.kill_all()
+    return summarize_arm(cfg, arm, steps_run=left, wall_s=time.perf_counter() - t0)
+
+
+def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: float = 0.0) -> TrainSummary:
+    """An arm's outcome from its committed states, groups logs and MLflow run."""
+    store = open_store(cfg.store)
+    states = StateStore(store, cfg.experiment, arm)
+    last = states.latest()
+    if last is None:
+        raise RollpackerError(f"arm {arm!r}: no committed state in {store.uri(states.prefix)}")
+    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    val = tuple(tracker.metric_history(last.mlflow_run_id, "val/accuracy"))
+    per_step: list[dict[str, float]] = [{} for _ in range(last.step + 1)]
+    for key in ("reward/mean", "rollout/time_s", "step/time_s", "train/samples"):
+        for s, v in tracker.metric_history(last.mlflow_run_id, key):
+            if 1 <= s <= len(per_step):
+                per_step[s - 1][key] = v
+    return TrainSummary(
+        arm=arm,
+        run_id=last.mlflow_run_id,
+        steps=last.step + 1,
+        steps_run=steps_run,
+        trained_samples=last.trained_samples,
+        val_accuracy=val,
+        wall_s=wall_s,
+        store_uri=store.uri(states.prefix),
+        tracking_uri=cfg.tracking_uri,
+        exactly_once=exactly_once(states),
+        step_metrics=tuple(per_step),
+    )
+
+
+def exactly_once(states: StateStore) -> ExactlyOnce:
+    """Every prompt trained at most once, and every deferred prompt trained later or still waiting
+    (long-prompt queue or rollout buffer) in the last committed state."""
+    from collections import Counter
+
+    last = states.latest()
+    if last is None:
+        return ExactlyOnce(0, (), 0, (), 0)
+    trained: Counter[str] = Counter()
+    deferred: set[str] = set()
+    for step in range(last.step + 1):
+        log = GroupsLog.from_json(states.get_blob(step, "groups.json").decode())
+        trained.update(log.trained)
+        deferred.update(log.deferred)
+    waiting = set(last.long_queue) | {e.prompt_id for e in last.partial_cache}
+    return ExactlyOnce(
+        prompts_trained=len(trained),
+        trained_twice=tuple(sorted(p for p, n in trained.items() if n > 1)),
+        deferred_total=len(deferred),
+        deferred_lost=tuple(sorted(deferred - set(trained) - waiting)),
+        waiting=len(deferred & waiting),
+    )

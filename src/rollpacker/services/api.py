@@ -1,0 +1,218 @@
+"""What the services offer: typed Protocols, and the payloads their methods return.
+
+The stages and the services reach a service only through these Protocols, implemented by typed
+proxies (``services.registry``) over a Ray actor or an object in this process. Every payload is a
+frozen dataclass (``core.serde.Message``), so what crosses a process edge is checked field by field.
+
+When each method is called, per step (one *attempt* = one try of a step; a re-run is a new one):
+
+    plan stage      rollout.sync(state)             serve the committed weights
+                    rollout.plan(state, step)       the round the policy would run
+    rollout stage   trainer.begin / reward.begin    forget older attempts, restore committed state
+                    rollout.run_round(...)          rolls out; during it the rollout service casts
+                        reward.score / reward.group, and the reward service casts trainer.submit
+    drain stages    reward.drain(...)               wait for the step's rewards, report them
+    train stage     trainer.finish(...)             the one update, checkpoint, weight push
+                    rollout.validate(...)           when validation is due
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollpacker.core.advantages import TrainSample
+from rollpacker.core.prompts import CursorState
+from rollpacker.core.serde import Message
+from rollpacker.core.state import ControllerState
+from rollpacker.core.types import Group
+
+Anchors = tuple[tuple[str, float], ...]  # the sandbox's timeout anchors: (test case, seconds)
+
+
+# -- payloads -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineSync(Message):
+    """What ``rollout.sync`` did to serve the state's checkpoint."""
+
+    started: bool
+    reloaded: bool
+    seconds: float
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class RoundPlan(Message):
+    """The round the arm's policy would run next (the plan stage reports it; the rollout stage
+    plans it again from the same state, so both agree)."""
+
+    round_kind: str
+    prompts: tuple[str, ...]
+    from_queue: tuple[str, ...]
+    target_prompts: int
+    roles: tuple[str, ...]  # the reward services the task needs: "reward", "judge"
+
+
+@dataclass(frozen=True)
+class RoundReport(Message):
+    """One rolled-out round: what to train, what the policy's next state is, and its metrics."""
+
+    step: int
+    attempt: str
+    round_kind: str
+    trained: tuple[str, ...]  # prompt ids of the groups the update trains
+    deferred: tuple[str, ...]  # prompt ids left for later (queue or buffer)
+    from_queue: tuple[str, ...]
+    groups_by_role: dict[str, tuple[str, ...]]  # reward role -> prompt ids it rewards
+    lengths: tuple[int, ...]  # response lengths of the trained groups
+    longest: tuple[tuple[str, int], ...]  # (prompt id, its longest trained response)
+    next_cursor: CursorState
+    next_queue: tuple[str, ...]
+    next_buffer_uri: str  # the rollout buffer after the round, in the store ("" = none)
+    metrics: dict[str, float]
+    end_wall: float = 0.0  # wall clock when the round ended (reward tails are measured from it)
+
+
+@dataclass(frozen=True)
+class ProfileSummary(Message):
+    """A profile table measured and written to the store (the document is at ``uri``)."""
+
+    uri: str
+    points: int
+    window_error: dict[str, float]  # layout -> mean error of the predictor per decode window
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Validation(Message):
+    accuracy: float
+    mean_response_len: float
+    time_s: float
+
+    def metrics(self, tag: str = "val") -> dict[str, float]:
+        return {
+            f"{tag}/accuracy": self.accuracy,
+            f"{tag}/mean_response_len": self.mean_response_len,
+            f"{tag}/time_s": self.time_s,
+        }
+
+
+@dataclass(frozen=True)
+class RewardBegin(Message):
+    seconds: float
+    kinds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TrainerBegin(Message):
+    seconds: float
+    restored: bool  # the trainer (re)loaded the state's checkpoint
+    pending: int  # one-off: samples of the previous step whose gradients run during this one
+
+
+@dataclass(frozen=True)
+class DrainReport(Message):
+    """A reward service's account of one step."""
+
+    role: str
+    drain_s: float
+    groups: int
+    samples: int = 0
+    reward_sum: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    timeout_anchors: Anchors = ()  # the sandbox's anchors after the step (role "reward")
+
+
+@dataclass(frozen=True)
+class TrainReport(Message):
+    """The trainer's account of one step's update."""
+
+    checkpoint_uri: str
+    policy_version: int
+    samples: int  # samples the update trained (one-off: the previous step's)
+    pending_batch_uri: str = ""  # one-off: this step's samples, trained at the next step
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ScoreItem:
+    """A response to score at once (validation)."""
+
+    sample_id: str
+    prompt_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class PendingBatch(Message):
+    """The one-off pipeline's rewarded samples of a step, trained at the next step."""
+
+    samples: tuple[TrainSample, ...]
+    version: int = 1
+
+
+# -- the services ---------------------------------------------------------------------------------
+class ServiceAPI(Protocol):
+    """What every service answers (the registry uses these)."""
+
+    def config_digest(self) -> str: ...
+
+    def bind(self, peers: Peers) -> None:
+        """Called once after construction: how to reach the other services."""
+
+    def close(self) -> None: ...
+
+
+class RolloutAPI(Protocol):
+    """The rollout engine(s), the arm's policy, validation and profiling."""
+
+    def sync(self, state: ControllerState) -> EngineSync: ...
+
+    def plan(self, state: ControllerState, step: int) -> RoundPlan: ...
+
+    def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport: ...
+
+    def validate(self, step: int, attempt: str) -> Validation: ...
+
+    def profile(self, key: str) -> ProfileSummary: ...
+
+    def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float: ...
+
+
+class RewardAPI(Protocol):
+    """Rule and sandbox rewards (role ``reward``) or the LLM judge (role ``judge``)."""
+
+    def begin(self, attempt: str, anchors: Anchors) -> RewardBegin: ...
+
+    def score(self, attempt: str, request_id: str, prompt_id: str, text: str) -> None:
+        """Fire and forget: a finished response, scored while rollout goes on."""
+
+    def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
+        """Fire and forget: a final group; once rewarded it goes to the trainer."""
+
+    def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport: ...
+
+    def score_now(self, items: tuple[ScoreItem, ...]) -> tuple[bool, ...]: ...
+
+
+class TrainerAPI(Protocol):
+    """The policy's trainer and the stream trainer."""
+
+    def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin: ...
+
+    def submit(self, attempt: str, prompt_id: str, samples: tuple[TrainSample, ...]) -> None:
+        """Fire and forget: a rewarded group's samples; their gradients start now."""
+
+    def finish(
+        self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
+    ) -> TrainReport: ...
+
+
+class Peers(Protocol):
+    """How a service reaches the others (the registry, picklable into a Ray actor)."""
+
+    def rollout(self) -> RolloutAPI: ...
+
+    def reward(self, role: str) -> RewardAPI: ...
+
+    def trainer(self) -> TrainerAPI: ...

@@ -1,0 +1,131 @@
+"""controller.commit: the new state, atomically, and the step in MLflow.
+
+Invariants:
+- the step's records go first (groups log, lengths, commit record), then the state document,
+  then the pointer; a step dies before the pointer moves, or is committed whole;
+- a commit whose step is already committed by the same attempt returns what was committed
+  (idempotent); one of another attempt is refused as stale;
+- checkpoints and one-off batches that neither of the last two states points to are deleted.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rollpacker.core.state import ControllerState
+from rollpacker.stages import hooks
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import (
+    CommitOutput,
+    CommitRecord,
+    DrainOutput,
+    GroupsLog,
+    LengthsLog,
+    RolloutOutput,
+    StepPlan,
+    TrainOutput,
+)
+from rollpacker.stages.successor import step_metrics, successor
+
+
+def commit(
+    ctx: StageContext, plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
+) -> CommitOutput:
+    if plan.skip or ro.round is None or tr.report is None:
+        return CommitOutput(plan.step, plan.attempt, skipped=True)
+    done = _already_committed(ctx, plan)
+    if done is not None:
+        return done
+    state = ctx.state_for(plan)
+    r, step = ro.round, plan.step
+    prof_key = ctx.profile_key(plan.attempt)
+    prof = ctx.store.uri(prof_key) if ctx.store.exists(prof_key) else ""
+    metrics = step_metrics(r, rw.report, jd.report, tr.report)
+    new = successor(ctx, state, r, rw.report, tr.report, prof, float(metrics.get("planner/drift", 0.0)))
+    # a (re-)profile is one-off work like the arm's start-up: its own metric, not step time
+    profile_s = float(ctx.store.get_json(prof_key).get("seconds", 0.0)) if prof else 0.0
+    metrics.update(_time_metrics(plan, ro, rw, jd, tr, profile_s))
+    groups = GroupsLog(step, plan.attempt, r.round_kind, r.trained, r.deferred, r.from_queue)
+    lengths = LengthsLog(r.round_kind, r.lengths)
+    ctx.states.put_blob(step, "groups.json", groups.to_json().encode())
+    ctx.states.put_blob(step, "lengths.json", lengths.to_json().encode())
+    record = CommitRecord(
+        step, plan.attempt, ctx.store.uri(ctx.states.state_key(step)), r.round_kind, metrics
+    )
+    # the commit record first (the next plan repairs MLflow from it), then the state and pointer
+    ctx.states.put_blob(step, "commit.json", record.to_json().encode())
+    ctx.states.commit(new)
+    hooks.at("commit", step)  # committed, not yet in MLflow: the next plan repairs it
+    log_step(ctx, new, step, metrics, lengths)
+    _collect_garbage(ctx, new, state)
+    return CommitOutput(step, plan.attempt, False, record.state_uri, r.round_kind, metrics)
+
+
+def _already_committed(ctx: StageContext, plan: StepPlan) -> CommitOutput | None:
+    """This very commit ran before and died after moving the pointer: what it committed."""
+    latest = ctx.states.latest()
+    if latest is None or latest.step != plan.step:
+        return None
+    rec = CommitRecord.from_json(ctx.states.get_blob(plan.step, "commit.json").decode())
+    if rec.attempt != plan.attempt:
+        return None  # another attempt committed: state_for refuses this stale plan
+    return CommitOutput(rec.step, rec.attempt, False, rec.state_uri, rec.round_kind, rec.metrics)
+
+
+def _time_metrics(
+    plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
+) -> dict[str, float]:
+    """Seconds per stage, the step's wall and RL time, and the pipeline's own overhead."""
+    stages = {
+        "plan": plan.timing,
+        "rollout": ro.timing,
+        "reward": rw.timing,
+        "judge": jd.timing,
+        "train": tr.timing,
+    }
+    work = sum(t.work_s for t in stages.values()) + profile_s
+    wall = time.time() - plan.timing.start_wall
+    m = {f"stage/{name}_s": t.work_s for name, t in stages.items()}
+    m["pipeline/overhead_s"] = max(0.0, wall - work)
+    m["step/wall_s"] = wall
+    # the RL step itself: without the arm's one-off start-up, profiling and validation
+    m["step/time_s"] = wall - plan.init_s - tr.val_s - profile_s
+    if profile_s:
+        m["stage/profile_s"] = profile_s
+    if tr.validation is not None:
+        m.update(tr.validation.metrics())
+    return m
+
+
+def log_step(
+    ctx: StageContext, state: ControllerState, step: int, metrics: dict[str, float], lengths: LengthsLog
+) -> None:
+    """The committed step in MLflow: metrics, lengths, the state pointer; the arm's plots at its end."""
+    run = state.mlflow_run_id
+    ctx.tracker.log_step(run, step + 1, metrics)
+    ctx.tracker.log_step_lengths(run, step + 1, lengths.round_kind, list(lengths.lengths))
+    ctx.tracker.set_state_pointer(run, ctx.store.uri(ctx.states.state_key(state.step)), state.step)
+    if state.step == ctx.cfg.steps - 1:
+        ctx.tracker.finish_arm(run)
+
+
+def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerState) -> None:
+    """Step checkpoints and one-off batches neither of the last two states points to (failed
+    attempts, older steps) are deleted; the base model stays; the buffer is in the state now."""
+    ck = f"{ctx.prefix}/ckpt/"
+    keep = {ctx.store.key_of(u).rstrip("/") for u in (new.checkpoint_uri, old.checkpoint_uri) if u}
+    for d in _dirs(ctx, ck):
+        if d != "base" and f"{ck}{d}" not in keep:
+            ctx.store.delete_prefix(f"{ck}{d}/")
+    batches = f"{ctx.prefix}/batches/"
+    keep = {
+        ctx.store.key_of(u).rsplit("/", 1)[0] for u in (new.pending_batch_uri, old.pending_batch_uri) if u
+    }
+    for d in _dirs(ctx, batches):
+        if f"{batches}{d}" not in keep:
+            ctx.store.delete_prefix(f"{batches}{d}/")
+    ctx.store.delete_prefix(f"{ctx.prefix}/buffers/")
+
+
+def _dirs(ctx: StageContext, prefix: str) -> list[str]:
+    return sorted({k[len(prefix) :].split("/", 1)[0] for k in ctx.store.list(prefix)})

@@ -1,0 +1,80 @@
+"""What every stage of one arm works with: the arm's config, the store, the state, the services.
+
+Invariants:
+- a stage reads the committed state only through ``state_for(plan)``, which refuses a stale plan
+  (another attempt committed meanwhile);
+- every key a step writes in the store is named here, once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from rollpacker.core.config import ExperimentConfig, arm_config
+from rollpacker.core.state import ControllerState, StateError
+from rollpacker.services.registry import RegistrySpec, ServiceRegistry
+from rollpacker.stages.messages import StepPlan
+from rollpacker.store import open_store
+from rollpacker.store.base import ObjectStore
+from rollpacker.store.state_store import StateStore
+from rollpacker.tracking import ExperimentTracker
+
+
+@dataclass
+class StageContext:
+    config_text: str
+    arm: str
+    cfg: ExperimentConfig
+    store: ObjectStore
+    states: StateStore
+    services: ServiceRegistry
+    _tracker: ExperimentTracker | None = field(default=None, repr=False)
+
+    @classmethod
+    def create(cls, config_text: str, arm: str, services_mode: str) -> StageContext:
+        """The context of ``arm``; ``services_mode``: ``ray`` (named actors) or ``inline``."""
+        cfg = arm_config(config_text, arm)
+        store = open_store(cfg.store)
+        states = StateStore(store, cfg.experiment, arm)
+        services = ServiceRegistry(RegistrySpec.of(config_text, cfg, arm, services_mode))
+        return cls(config_text, arm, cfg, store, states, services)
+
+    @property
+    def tracker(self) -> ExperimentTracker:
+        if self._tracker is None:
+            # a stage must not hang for minutes in MLflow's default retry loop (7 tries, backoff)
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+            self._tracker = ExperimentTracker(self.cfg.tracking_uri, self.cfg.experiment)
+        return self._tracker
+
+    def state_for(self, plan: StepPlan) -> ControllerState:
+        """The committed state ``plan`` was made from; refuses a stale plan."""
+        latest = self.states.latest()
+        if latest is None or latest.step != plan.state_step:
+            raise StateError(
+                f"step {plan.step} (attempt {plan.attempt}) was planned from state step "
+                f"{plan.state_step}, but the committed state is at step "
+                f"{latest.step if latest else '(none)'}: re-run the step from its plan stage"
+            )
+        return latest
+
+    # -- keys in the store ------------------------------------------------------------------------
+    @property
+    def prefix(self) -> str:
+        return f"{self.cfg.experiment}/{self.arm}"
+
+    def base_key(self) -> str:
+        return f"{self.prefix}/ckpt/base/"
+
+    def checkpoint_key(self, step: int, attempt: str) -> str:
+        return f"{self.prefix}/ckpt/step-{step:06d}-{attempt}/"
+
+    def batch_key(self, step: int, attempt: str) -> str:
+        return f"{self.prefix}/batches/step-{step:06d}-{attempt}/samples.json"
+
+    def profile_key(self, attempt: str) -> str:
+        """Where the profile stage of an attempt writes its table (the commit looks there: the
+        profile stage is conditional, so its output is not a DAG edge)."""
+        return f"{self.prefix}/profiles/profile-{attempt}.json"

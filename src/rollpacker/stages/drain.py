@@ -1,0 +1,20 @@
+"""sandbox-reward and judge: drain the step's rewards of one reward service (most were scored
+during rollout) and report them."""
+
+from __future__ import annotations
+
+from rollpacker.stages import hooks
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import Clock, DrainOutput, RolloutOutput, StepPlan
+
+
+def drain(ctx: StageContext, role: str, plan: StepPlan, rollout: RolloutOutput) -> DrainOutput:
+    """``role``: ``reward`` (rule and sandbox rewards) or ``judge``."""
+    clock = Clock()
+    r = rollout.round
+    if plan.skip or r is None or plan.round is None or role not in plan.round.roles:
+        return DrainOutput(None, clock.timing())
+    ctx.state_for(plan)
+    hooks.at(role, plan.step)
+    report = ctx.services.reward(role).drain(plan.attempt, r.groups_by_role.get(role, ()), r.end_wall)
+    return DrainOutput(report, clock.timing())

@@ -1,0 +1,139 @@
+"""What the stages hand each other: typed, strict messages (JSON only at the KFP component edge).
+
+    StepPlan ──> ProfileOutput (optional, read back from the store by the commit)
+             ──> RolloutOutput ──> DrainOutput (reward), DrainOutput (judge) ──> TrainOutput
+             ──> CommitOutput
+Beside the edges, the commit writes per-step records into the state store: ``CommitRecord``
+(what MLflow is repaired from), ``GroupsLog`` (the exactly-once log) and ``LengthsLog``.
+
+A skipped stage (the arm already ran all its steps) carries ``None`` where its report would be.
+Invariants: every message round-trips through ``to_json``/``from_json``; an unknown or missing
+field is refused by name (``core.serde``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rollpacker.core.serde import Message
+from rollpacker.services.api import (
+    DrainReport,
+    EngineSync,
+    ProfileSummary,
+    RewardBegin,
+    RoundPlan,
+    RoundReport,
+    TrainerBegin,
+    TrainReport,
+    Validation,
+)
+
+
+@dataclass(frozen=True)
+class Timing(Message):
+    """When a stage ran: its own work (``work_s``) and its wall-clock span."""
+
+    work_s: float
+    start_wall: float
+    end_wall: float
+
+
+class Clock:
+    """Measures one stage: ``timing()`` at its end."""
+
+    def __init__(self) -> None:
+        self.t0, self.t0_wall = time.perf_counter(), time.time()
+
+    def timing(self) -> Timing:
+        return Timing(time.perf_counter() - self.t0, self.t0_wall, time.time())
+
+
+@dataclass(frozen=True)
+class StepPlan(Message):
+    """The plan stage's decision for one attempt of one step."""
+
+    experiment: str
+    arm: str
+    step: int
+    state_step: int  # the committed step this plan was made from
+    attempt: str
+    skip: bool  # every step of the arm is committed: nothing to do
+    base_uri: str  # the base model in the store (the trainer's reference model)
+    run_id: str  # the arm's MLflow run
+    timing: Timing
+    need_profile: bool = False
+    reprofile: str = ""  # why a profile is measured again ("" = first profile or none)
+    sync: EngineSync | None = None
+    round: RoundPlan | None = None
+    val0: Validation | None = None  # the validation before any RL (the arm's first step)
+    init_s: float = 0.0  # one-off start-up of the arm's first step (warm-ups, engine start)
+
+
+@dataclass(frozen=True)
+class ProfileOutput(Message):
+    summary: ProfileSummary | None
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class RolloutOutput(Message):
+    round: RoundReport | None
+    trainer: TrainerBegin | None
+    rewards: dict[str, RewardBegin]
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class DrainOutput(Message):
+    report: DrainReport | None
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class TrainOutput(Message):
+    report: TrainReport | None
+    validation: Validation | None
+    val_s: float
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class CommitOutput(Message):
+    step: int
+    attempt: str
+    skipped: bool
+    state_uri: str = ""
+    round_kind: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CommitRecord(Message):
+    """``commit.json`` beside a committed state: the step's metrics (MLflow is repaired from it)."""
+
+    step: int
+    attempt: str
+    state_uri: str
+    round_kind: str
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class GroupsLog(Message):
+    """``groups.json``: which prompts the step trained, deferred and took from the queue."""
+
+    step: int
+    attempt: str
+    round_kind: str
+    trained: tuple[str, ...]
+    deferred: tuple[str, ...]
+    from_queue: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LengthsLog(Message):
+    """``lengths.json``: the response lengths the step trained on."""
+
+    round_kind: str
+    lengths: tuple[int, ...]

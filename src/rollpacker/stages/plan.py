@@ -1,0 +1,107 @@
+"""controller.plan: load (or create) the arm's committed state, bring the services to it, plan.
+
+Invariants:
+- ``plan`` refuses to start when the store, MLflow or the services are unreachable, naming the
+  setting to fix (nothing is half-done);
+- a commit that died between its state document and the pointer is finished first (``recover``),
+  and one that died before MLflow logged it is logged now (MLflow never misses a committed step);
+- the arm's first plan creates step -1: the base model in the store, the cursor at the start, the
+  arm's MLflow run, and the validation before any RL (logged at step 0).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from rollpacker.core.errors import RollpackerError
+from rollpacker.core.state import ControllerState, TPPlan
+from rollpacker.stages.commit import log_step
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import Clock, CommitRecord, LengthsLog, StepPlan
+from rollpacker.tasks.models import prepare_model
+from rollpacker.tracking import flatten_params
+
+
+def plan(ctx: StageContext) -> StepPlan:
+    """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
+    clock = Clock()
+    ctx.store.check()
+    ctx.tracker.check()
+    state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
+    t_init = time.perf_counter()
+    if state is None:
+        state = _init_state(ctx)
+    else:
+        repair_tracking(ctx, state)
+    step = state.next_step
+    attempt = uuid.uuid4().hex[:12]
+    base = dict(
+        experiment=ctx.cfg.experiment,
+        arm=ctx.arm,
+        step=step,
+        state_step=state.step,
+        attempt=attempt,
+        base_uri=ctx.store.uri(ctx.base_key()),
+        run_id=state.mlflow_run_id,
+    )
+    if step >= ctx.cfg.steps:
+        return StepPlan(**base, skip=True, timing=clock.timing())  # type: ignore[arg-type]
+    rollout = ctx.services.rollout()
+    sync = rollout.sync(state)
+    round_plan = rollout.plan(state, step)
+    # no profile yet, or the last step's decode time drifted from its prediction
+    margin = ctx.cfg.planner.reprofile_margin
+    need_profile = not state.profile_uri or state.profile_drift > margin
+    reprofile = f"drift {state.profile_drift:.2f} > {margin}" if state.profile_uri and need_profile else ""
+    val0 = None
+    if state.step == -1:  # the starting point of the validation curve
+        val0 = rollout.validate(0, attempt)
+        ctx.tracker.log_step(state.mlflow_run_id, 0, val0.metrics())
+    return StepPlan(
+        **base,  # type: ignore[arg-type]
+        skip=False,
+        need_profile=need_profile,
+        reprofile=reprofile,
+        sync=sync,
+        round=round_plan,
+        val0=val0,
+        # one-off work of an arm's first step (warm-up, engine start, first validation): not step time
+        init_s=time.perf_counter() - t_init if state.step == -1 else 0.0,
+        timing=clock.timing(),
+    )
+
+
+def _init_state(ctx: StageContext) -> ControllerState:
+    """Step -1: the warmed-up base model uploaded to the store, the cursor at the start."""
+    cfg = ctx.cfg
+    uri = ctx.store.upload_dir(prepare_model(cfg, quiet=True), ctx.base_key())
+    run_id = ctx.tracker.arm_run(ctx.arm, flatten_params(cfg))
+    state = ControllerState(
+        experiment=cfg.experiment,
+        arm=ctx.arm,
+        step=-1,
+        cursor_seed=cfg.seed,
+        cursor_epoch=0,
+        cursor_position=0,
+        checkpoint_uri=uri,
+        policy_version=0,
+        tp_plan=TPPlan(cfg.planner.initial_tp, cfg.planner.initial_tp),
+        seed=cfg.seed,
+        mlflow_run_id=run_id,
+    )
+    ctx.states.init(state)
+    return state
+
+
+def repair_tracking(ctx: StageContext, state: ControllerState) -> None:
+    """A commit that died after moving the pointer but before MLflow logged the step: log it now
+    from the step's commit record."""
+    pointer = ctx.tracker.state_pointer(state.mlflow_run_id)
+    for step in range((pointer[1] if pointer is not None else -1) + 1, state.step + 1):
+        try:
+            rec = CommitRecord.from_json(ctx.states.get_blob(step, "commit.json").decode())
+            lens = LengthsLog.from_json(ctx.states.get_blob(step, "lengths.json").decode())
+        except RollpackerError:
+            continue
+        log_step(ctx, ctx.states.load(step), step, rec.metrics, lens)

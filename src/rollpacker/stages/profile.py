@@ -1,0 +1,18 @@
+"""profiling: measure the engine (decode step latency by batch size and context) into a profile
+table in the store; only when the plan asks (no profile yet, or the last step drifted)."""
+
+from __future__ import annotations
+
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import Clock, ProfileOutput, StepPlan
+
+
+def profile(ctx: StageContext, plan: StepPlan) -> ProfileOutput:
+    clock = Clock()
+    if plan.skip:
+        return ProfileOutput(None, clock.timing())
+    key = ctx.profile_key(plan.attempt)
+    summary = ctx.services.rollout().profile(key)
+    if plan.run_id:
+        ctx.tracker.log_profile(plan.run_id, plan.step + 1, summary.uri, ctx.store.get_json(key))
+    return ProfileOutput(summary, clock.timing())

@@ -1,0 +1,33 @@
+"""training: the stream trainer's one deferred update, the checkpoint, the weight push into the
+engine; validation when it is due."""
+
+from __future__ import annotations
+
+import time
+
+from rollpacker.stages import hooks
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan, TrainOutput
+
+
+def train(ctx: StageContext, plan: StepPlan, rollout: RolloutOutput) -> TrainOutput:
+    clock = Clock()
+    r = rollout.round
+    if plan.skip or r is None:
+        return TrainOutput(None, None, 0.0, clock.timing())
+    ctx.state_for(plan)
+    step, cfg = plan.step, ctx.cfg
+    report = ctx.services.trainer().finish(
+        plan.attempt,
+        step,
+        r.trained,
+        ctx.checkpoint_key(step, plan.attempt),
+        ctx.batch_key(step, plan.attempt),
+    )
+    hooks.at("train", step)  # the nastiest point: trainer and engine ahead of the state
+    validation, val_s = None, 0.0
+    if (step + 1) % cfg.validation.every == 0 or step == cfg.steps - 1:
+        t_val = time.perf_counter()
+        validation = ctx.services.rollout().validate(step + 1, plan.attempt)
+        val_s = time.perf_counter() - t_val
+    return TrainOutput(report, validation, val_s, clock.timing())

@@ -1,0 +1,87 @@
+"""The model RL starts from and the task's prompts, prepared from the config (cached)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollpacker.core.config import ExperimentConfig
+from rollpacker.core.errors import ConfigError
+from rollpacker.core.tasks import TaskExample, split
+from rollpacker.core.types import Prompt
+
+# the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
+CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
+
+
+def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
+    """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached)."""
+    from rollpacker.tasks.warmup import WarmupSpec, warm_up
+
+    if cfg.model.model_dir:
+        p = Path(cfg.model.model_dir)
+        if not (p / "config.json").is_file():
+            raise ConfigError(f"model.model_dir = {p}: not a Hugging Face model directory (no config.json)")
+        return p
+    if cfg.model.warmup_steps == 0:
+        from rollpacker.tasks.tiny_model import build_tiny_model
+
+        return build_tiny_model(cfg.model.preset)
+    from tqdm import tqdm
+
+    spec = WarmupSpec(
+        model=cfg.model.preset,
+        steps=cfg.model.warmup_steps,
+        code_fraction=CODE_SHARE.get(cfg.task.name, 0.0),
+    )
+    bar = tqdm(
+        total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
+    )
+
+    def progress(step: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    try:
+        return warm_up(spec, progress=progress)
+    finally:
+        bar.close()
+
+
+@dataclass(frozen=True)
+class TaskData:
+    examples: dict[str, TaskExample]
+    train_prompts: tuple[Prompt, ...]
+    val_prompts: tuple[Prompt, ...]
+
+    @property
+    def by_id(self) -> dict[str, Prompt]:
+        return {p.prompt_id: p for p in self.train_prompts}
+
+
+@functools.lru_cache(maxsize=4)
+def task_data(task_name: str, seed: int, num_examples: int, val_size: int, tokenizer_dir: str) -> TaskData:
+    """The task's examples split into train / validation prompts, tokenized (cached per process)."""
+    from transformers import AutoTokenizer
+
+    from rollpacker.tasks.registry import load_task
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    examples = load_task(task_name, seed=seed, num_examples=num_examples)
+    if val_size >= len(examples):
+        raise ConfigError(f"task.val_size = {val_size} leaves no training examples out of {len(examples)}")
+    train, val = split(examples, val_size / len(examples), seed=seed)
+
+    def prompts(xs: Sequence[TaskExample]) -> tuple[Prompt, ...]:
+        return tuple(
+            Prompt(
+                prompt_id=ex.example_id,
+                token_ids=tuple(tok.encode(ex.prompt, add_special_tokens=False)),
+                dataset_index=i,
+            )
+            for i, ex in enumerate(xs)
+        )
+
+    return TaskData({ex.example_id: ex for ex in examples}, prompts(train), prompts(val))

@@ -1,0 +1,1 @@
+"""Test support shipped with the package (loaded by name, never imported by production code)."""
