@@ -52,12 +52,16 @@ RUN_ARGS ?=
 run-experiment: setup
 	$(VENV)/bin/rollpacker run --config $(EXPERIMENT) $(RUN_ARGS)
 
-# The single-process training loop (no pipeline, no services): `make train CONFIG=configs/mixed.yaml`.
+# One arm through the same stages in this process (no KFP, no Ray, no S3 or MLflow server; state in
+# <out_dir>/store, metrics in SQLite): `make train CONFIG=configs/mixed.yaml`.
+# A second `make train` of the same run needs TRAIN_ARGS=--resume (continue) or --fresh (start over).
 CONFIG ?= configs/default.yaml
+TRAIN_ARGS ?=
 train: setup
-	$(VENV)/bin/rollpacker train --config $(CONFIG)
+	$(VENV)/bin/rollpacker train --config $(CONFIG) $(TRAIN_ARGS)
 
-# The benchmarks: rollout replay (sync vs tail batching on vLLM) and learning (3 seeds x 2 policies).
+# The benchmarks: rollout replay (every policy on one trace on vLLM) and learning (every policy and
+# the one-off mode through the one step path, 3 seeds each).
 bench: setup
 	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
 	$(VENV)/bin/rollpacker bench learning --config $(CONFIG) --out build/bench-learning.json

@@ -194,13 +194,13 @@ validation: {{{{every: 100, max_tokens: 32}}}}
     s0 = states("sorted_partial").load(0)
     assert len(s0.partial_cache) == 4
     g1 = json.loads(states("sorted_partial").get_blob(1, "groups.json"))
-    assert sorted(g1["trained"]) == sorted(e["prompt_id"] for e in s0.partial_cache)
+    assert sorted(g1["trained"]) == sorted(e.prompt_id for e in s0.partial_cache)
     assert states("sorted_partial").load(1).partial_cache == ()  # the group is consumed: reload
 
     # partial rollout: the step after the restart resumes exactly the committed cache
     p1 = states("partial").load(1)
     g2 = json.loads(states("partial").get_blob(2, "groups.json"))
-    assert set(g2["from_queue"]) == {e["prompt_id"] for e in p1.partial_cache}
+    assert set(g2["from_queue"]) == {e.prompt_id for e in p1.partial_cache}
 
     # one-off: step 0 only rolls out; each later step trains the previous step's batch
     one = states("tb_one_off")

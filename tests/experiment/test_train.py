@@ -51,7 +51,7 @@ def test_a_training_arm_is_the_policy_with_a_local_store(tmp_path):
     assert cfg.store.endpoint == f"file://{tmp_path / 'runs' / 'store'}"
     _, one_off = train_config(f, {**base, "rollout.one_off": True})
     assert one_off.arm_names == ["tail_batching-one-off-seed0"] and one_off.rollout.one_off
-    f.write_text(SMOKE + 'store: {endpoint: "127.0.0.1:9", bucket: b}\n')
+    f.write_text(SMOKE + 'store: {endpoint: "127.0.0.1:9", bucket: bkt}\n')
     _, s3 = train_config(f, base)
     assert s3.store.endpoint == "127.0.0.1:9"  # a store the config names is kept
 

@@ -502,7 +502,6 @@ class ExperimentConfig:
     steps: int = 60
     out_dir: str = "build/runs"
     tracking_uri: str = "sqlite:///build/mlflow.db"
-    checkpoint_every: int = 10  # steps between checkpoints (the last step always checkpoints)
     task: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
@@ -548,7 +547,6 @@ class ExperimentConfig:
                 f"experiment = {self.experiment!r}: letters, digits, '.', '_' and '-' only "
                 "(it names the MLflow experiment and the object-store prefix)"
             )
-        _positive_int("checkpoint_every", self.checkpoint_every)
         if not self.experiment:
             raise ConfigError("experiment: must be a non-empty name (the MLflow experiment)")
         if self.rollout.temperature <= 0:

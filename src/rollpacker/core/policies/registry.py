@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from rollpacker.core.config import PolicyName, RolloutConfig
-from rollpacker.core.errors import ConfigError
+from rollpacker.core.errors import ConfigError, PolicyError
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
 from rollpacker.core.policies.buffered import BufferEntry, buffer_from_state
 from rollpacker.core.policies.partial import PartialPolicy
@@ -46,6 +46,12 @@ def _sync(x: PolicyInputs) -> RolloutPolicy:
 
 
 def _tail_batching(x: PolicyInputs) -> RolloutPolicy:
+    missing = [i for i in x.long_queue if i not in x.prompts]
+    if missing:
+        raise PolicyError(
+            f"long_queue holds prompts {missing[:3]} that the task does not have: the state was "
+            "written for another dataset; start the arm over (--fresh)"
+        )
     queue = LongPromptQueue(x.prompts[i] for i in x.long_queue)
     return TailBatchingPolicy(x.rollout, x.cursor, x.sampling, queue=queue, namespace=x.namespace)
 

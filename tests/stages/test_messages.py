@@ -1,0 +1,81 @@
+"""The typed edges: stage messages round-trip and refuse bad fields by path; every service Protocol
+method has a proxy and an implementation with the same signature."""
+
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+
+from rollpacker.core.prompts import CursorState
+from rollpacker.core.serde import MessageError
+from rollpacker.services import api
+from rollpacker.services.registry import RewardProxy, RolloutProxy, TrainerProxy
+from rollpacker.services.reward import RewardService
+from rollpacker.services.rollout import RolloutService
+from rollpacker.services.trainer import TrainerService
+from rollpacker.stages.messages import RolloutOutput, StepPlan, Timing, TrainOutput
+
+
+def _rollout() -> RolloutOutput:
+    report = api.RoundReport(
+        step=3,
+        attempt="abc",
+        round_kind="short",
+        trained=("p1", "p2"),
+        deferred=("p3",),
+        from_queue=(),
+        groups_by_role={"reward": ("p1", "p2"), "judge": ()},
+        lengths=(5, 7, 9, 11),
+        longest=(("p1", 7), ("p2", 11)),
+        next_cursor=CursorState(0, 1, 12),
+        next_queue=("p3",),
+        next_buffer_uri="",
+        metrics={"rollout/time_s": 1.5, "rollout/preemptions": 0.0},
+        end_wall=1.0e9,
+    )
+    begin = api.RewardBegin(0.1, ("math", "code"))
+    return RolloutOutput(report, api.TrainerBegin(0.2, True, 0), {"reward": begin}, Timing(2.0, 1.0, 3.0))
+
+
+def test_stage_messages_round_trip() -> None:
+    ro = _rollout()
+    assert RolloutOutput.from_json(ro.to_json()) == ro
+    tr = TrainOutput(api.TrainReport("s3://b/ck/", 4, 8, "", {"train/loss": 0.5}), None, 0.0, Timing(1, 2, 3))
+    assert TrainOutput.from_json(tr.to_json()) == tr
+    plan = StepPlan("e", "a", 0, -1, "x", True, "s3://b/base/", "run", Timing(0.1, 1.0, 1.1))
+    assert StepPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_renamed_field_fails_at_the_edge_with_its_path() -> None:
+    doc = json.loads(_rollout().to_json())
+    doc["round"]["next_cursor"]["pos"] = doc["round"]["next_cursor"].pop("position")
+    with pytest.raises(
+        MessageError, match=r"RolloutOutput\.round\.next_cursor: unknown field\(s\) \['pos'\]"
+    ):
+        RolloutOutput.from_json(json.dumps(doc))
+    doc = json.loads(_rollout().to_json())
+    doc["round"]["metrics"]["rollout/time_s"] = "fast"
+    with pytest.raises(
+        MessageError, match=r"RolloutOutput\.round\.metrics\['rollout/time_s'\]: expected float"
+    ):
+        RolloutOutput.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    ("protocol", "proxy", "service"),
+    [
+        (api.RolloutAPI, RolloutProxy, RolloutService),
+        (api.RewardAPI, RewardProxy, RewardService),
+        (api.TrainerAPI, TrainerProxy, TrainerService),
+    ],
+)
+def test_every_protocol_method_has_a_proxy_and_an_implementation(protocol, proxy, service) -> None:
+    methods = [n for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")]
+    assert methods
+    for name in methods:
+        want = list(inspect.signature(getattr(protocol, name)).parameters)
+        assert name in vars(proxy), f"{proxy.__name__} lacks {name}"
+        assert list(inspect.signature(getattr(proxy, name)).parameters) == want, (proxy, name)
+        assert list(inspect.signature(getattr(service, name)).parameters) == want, (service, name)
