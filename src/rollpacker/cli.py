@@ -427,45 +427,18 @@ def profile_cmd(
     table as JSON and a plot next to it (docs/parallelism.md)."""
     from rollpacker.core.config import load_config
     from rollpacker.core.latency import ProfileTable
-    from rollpacker.engines.profiler import ProfileSpec, plot_profile, profile_and_check, table_rows
-    from rollpacker.profiling import held_out, layout_pool
+    from rollpacker.engines.profiler import plot_profile
+    from rollpacker.profiling import profile_layouts, render_profile
 
-    t0 = __import__("time").perf_counter()
     try:
-        cfg = load_config(config)
-        pool = layout_pool(cfg, layouts, typer.echo)
-        try:
-            doc = profile_and_check(
-                pool,
-                ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed),
-                held_out(cfg, pool.cfg.model_dir, held_out),
-                cfg.rollout.max_tokens,
-                cfg.validation.temperature,
-                progress=typer.echo,
-            )
-        finally:
-            pool.close()
-    except RollpackerError as e:
+        doc = profile_layouts(load_config(config), layouts, held_out, typer.echo)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+    except (RollpackerError, OSError) as e:
         _fail(e)
         return
-    doc["total_seconds"] = __import__("time").perf_counter() - t0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1))
-    table = ProfileTable.from_dict(doc["table"], str(out))
-    png = plot_profile(table, out.with_suffix(".png"))
-    typer.echo("")
-    typer.echo(f"{'layout':<8} {'B':>4} {'L':>5} {'T':>8} {'prefill ms':>11} {'decode ms':>10}")
-    for r in table_rows(table):
-        typer.echo(
-            f"{r['layout']:<8} {r['batch']:>4} {r['context']:>5} {r['tokens']:>8.0f} "
-            f"{r['prefill_ms']:>11.1f} {r['decode_ms']:>10.2f}"
-        )
-    for lay, e in doc["validation"].items():
-        typer.echo(
-            f"{lay}: predicted vs measured decode on held-out trajectories: {e['window_mape']:.1%} "
-            f"mean error per window ({e['steps']} steps), {e['total_error']:.1%} over the whole run"
-        )
-    typer.echo(f"profiled in {doc['seconds']:.0f} s ({doc['total_seconds']:.0f} s with engine start-up)")
+    png = plot_profile(ProfileTable.from_dict(doc["table"], str(out)), out.with_suffix(".png"))
+    typer.echo("\n" + render_profile(doc, str(out)))
     typer.echo(f"wrote {out} and {png}")
 
 
@@ -498,11 +471,9 @@ def bench_planner(
     and, with --real-steps, on this machine's real vLLM engines. Prints the table, writes JSON."""
     import dataclasses
 
-    from rollpacker.bench.planner import PlannerBenchConfig, render, run_planner_bench
+    from rollpacker.bench.planner import PlannerBenchConfig, render
     from rollpacker.core.config import RolloutConfig, load_config
-    from rollpacker.core.latency import ProfileTable
-    from rollpacker.engines.profiler import ProfileSpec, profile_and_check
-    from rollpacker.profiling import held_out, layout_pool
+    from rollpacker.profiling import planner_benchmark
 
     try:
         cfg = load_config(config)
@@ -513,46 +484,24 @@ def bench_planner(
             ),
         )
         records, source = _load_records(trace, preset, cfg.seed)
-        pool = None
-        if profile is None or real_steps > 0:
-            pool = layout_pool(cfg, "", typer.echo)
-        try:
-            if profile is None:
-                if pool is None:
-                    raise RollpackerError("no engines to profile")
-                doc = profile_and_check(
-                    pool,
-                    ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed),
-                    held_out(cfg, pool.cfg.model_dir, 64),
-                    cfg.rollout.max_tokens,
-                    progress=typer.echo,
-                )
-                table = ProfileTable.from_dict(doc["table"], "profile")
-            else:
-                doc = json.loads(profile.read_text())
-                table = ProfileTable.from_dict(doc.get("table", doc), str(profile))
-            bcfg = PlannerBenchConfig(
-                rollout=RolloutConfig(prompts_per_step=p0, responses_per_prompt=r0, max_tokens=max_tokens),
-                max_num_seqs=cfg.engine.max_num_seqs,
-                steps=steps,
-                real_steps=real_steps,
-                check_every=check_every,
-                switch_overhead_s=cfg.planner.switch_overhead_s,
-                constrained_kv_tokens=constrained_kv,
-                weights_share=weights_share,
-                seed=cfg.seed,
-            )
-            report = run_planner_bench(table, records, bcfg, source, real_pool=pool, progress=typer.echo)
-        finally:
-            if pool is not None:
-                pool.close()
+        bcfg = PlannerBenchConfig(
+            rollout=RolloutConfig(prompts_per_step=p0, responses_per_prompt=r0, max_tokens=max_tokens),
+            max_num_seqs=cfg.engine.max_num_seqs,
+            steps=steps,
+            real_steps=real_steps,
+            check_every=check_every,
+            switch_overhead_s=cfg.planner.switch_overhead_s,
+            constrained_kv_tokens=constrained_kv,
+            weights_share=weights_share,
+            seed=cfg.seed,
+        )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = planner_benchmark(cfg, records, source, bcfg, profile, typer.echo)
+        out.write_text(json.dumps(report, indent=2, default=str))
     except (RollpackerError, OSError) as e:
         _fail(e)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    typer.echo("")
-    typer.echo(render(report))
+    typer.echo("\n" + render(report))
     typer.echo(f"wrote {out}")
 
 

@@ -1,15 +1,22 @@
-"""The engines that ``rollpacker profile`` and ``bench planner`` measure, and their held-out prompts."""
+"""``rollpacker profile`` and ``bench planner``: the engines they measure, the profile, the report."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
+from rollpacker.bench.planner import PlannerBenchConfig, run_planner_bench
 from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError, RollpackerError
-from rollpacker.core.latency import Layout, layouts_for
+from rollpacker.core.latency import Layout, ProfileTable, layouts_for
+from rollpacker.core.trace import TraceRecord
 from rollpacker.core.types import Prompt
 from rollpacker.engines.layout import EnginePool, node_devices
+from rollpacker.engines.profiler import ProfileSpec, profile_and_check, table_rows
 from rollpacker.tasks.models import prepare_model, task_data
 
 
@@ -50,3 +57,74 @@ def held_out(cfg: ExperimentConfig, model_dir: str, n: int) -> tuple[Prompt, ...
     """The first ``n`` validation prompts of the config's task."""
     t = cfg.task
     return task_data(t.name, t.seed, t.num_examples, t.val_size, model_dir).val_prompts[:n]
+
+
+def profile_layouts(
+    cfg: ExperimentConfig, layouts: str, n_held_out: int, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """``rollpacker profile``: start the layouts' engines, profile them over the planner's grid,
+    check the predictor on real decoding of ``n_held_out`` held-out prompts; the profile document
+    (``table``, ``validation``, ``seconds``, ``total_seconds`` with engine start-up)."""
+    t0 = time.perf_counter()
+    pool = layout_pool(cfg, layouts, progress)
+    try:
+        doc = profile_and_check(
+            pool,
+            ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed),
+            held_out(cfg, pool.cfg.model_dir, n_held_out),
+            cfg.rollout.max_tokens,
+            cfg.validation.temperature,
+            progress=progress,
+        )
+    finally:
+        pool.close()
+    doc["total_seconds"] = time.perf_counter() - t0
+    return doc
+
+
+def render_profile(doc: dict[str, Any], where: str) -> str:
+    """The profile table and the predictor's error on held-out trajectories, as text."""
+    table = ProfileTable.from_dict(doc["table"], where)
+    lines = [f"{'layout':<8} {'B':>4} {'L':>5} {'T':>8} {'prefill ms':>11} {'decode ms':>10}"]
+    for r in table_rows(table):
+        lines.append(
+            f"{r['layout']:<8} {r['batch']:>4} {r['context']:>5} {r['tokens']:>8.0f} "
+            f"{r['prefill_ms']:>11.1f} {r['decode_ms']:>10.2f}"
+        )
+    for lay, e in doc["validation"].items():
+        lines.append(
+            f"{lay}: predicted vs measured decode on held-out trajectories: {e['window_mape']:.1%} "
+            f"mean error per window ({e['steps']} steps), {e['total_error']:.1%} over the whole run"
+        )
+    lines.append(f"profiled in {doc['seconds']:.0f} s ({doc['total_seconds']:.0f} s with engine start-up)")
+    return "\n".join(lines)
+
+
+def planner_benchmark(
+    cfg: ExperimentConfig,
+    records: Sequence[TraceRecord],
+    source: str,
+    bench: PlannerBenchConfig,
+    profile: Path | None,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """``rollpacker bench planner``: the profile (``profile``'s table, or measured now on the
+    layouts' engines), then fixed layouts vs the per-step plan vs PAT switching on the trace."""
+    if profile is not None and not profile.is_file():
+        raise ConfigError(f"--profile {profile}: no such file; write one with `rollpacker profile`")
+    need_pool = profile is None or bench.real_steps > 0
+    pool = layout_pool(cfg, "", progress) if need_pool else None
+    try:
+        if pool is not None and profile is None:
+            spec = ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed)
+            doc = profile_and_check(
+                pool, spec, held_out(cfg, pool.cfg.model_dir, 64), cfg.rollout.max_tokens, progress=progress
+            )
+            table = ProfileTable.from_dict(doc["table"], "profile")
+        else:
+            doc = json.loads(Path(str(profile)).read_text())
+            table = ProfileTable.from_dict(doc.get("table", doc), str(profile))
+        return run_planner_bench(table, records, bench, source, real_pool=pool, progress=progress)
+    finally:
+        if pool is not None:
+            pool.close()
