@@ -102,7 +102,15 @@ def bench_rollout(
     paper's figures), off-policy lag, rollout efficiency and token waste, plus the engine's
     batch-scaling curve measured in the same run.
     """
-    from rollpacker.bench.replay import BenchConfig, bench_policies, render_table, run_benchmark, write_report
+    from rollpacker.bench.replay import (
+        BenchConfig,
+        bench_policies,
+        load_trace,
+        make_engine,
+        render_table,
+        run_benchmark,
+        write_report,
+    )
     from rollpacker.core.config import RolloutConfig, SortedConfig
 
     try:
@@ -122,9 +130,9 @@ def bench_rollout(
             scaledown_replicas=scaledown_replicas,
             scaledown_replica_kv_tokens=scaledown_kv_tokens,
         )
-        records, source = _load_records(trace, preset, seed)
+        records, source = load_trace(trace, preset, seed)
         longest_prompt = max(r.prompt_len for r in records)
-        eng = _make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
+        eng = make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
         try:
             report = run_benchmark(
                 eng,
@@ -146,19 +154,6 @@ def bench_rollout(
         typer.echo(f"\nwrote {out}")
 
 
-def _load_records(trace: Path | None, preset: str, seed: int):  # type: ignore[no-untyped-def]
-    """A trace file, or a preset's seeded trace; and where it came from."""
-    from rollpacker.core.trace import PRESETS, generate, parse_lines
-
-    if trace is not None:
-        if not trace.is_file():
-            raise RollpackerError(f"trace file {trace} does not exist")
-        return parse_lines(trace.read_text().splitlines(), source=str(trace)), str(trace)
-    if preset not in PRESETS:
-        raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
-    return generate(PRESETS[preset], seed=seed), f"preset:{preset}"
-
-
 def _progress():  # type: ignore[no-untyped-def]
     from tqdm import tqdm
 
@@ -172,29 +167,6 @@ def _progress():  # type: ignore[no-untyped-def]
         bar.set_postfix(kind=m.round_kind, s=f"{m.time_s:.1f}", max_len=m.response_len_max)
 
     return on
-
-
-def _make_engine(kind: str, model: str, concurrency: int, kv_gib: int, max_model_len: int, seed: int):  # type: ignore[no-untyped-def]
-    from rollpacker.core.config import EngineConfig
-
-    if kind == "fake":
-        from rollpacker.engines.fake import FakeEngine
-
-        return FakeEngine(concurrency=concurrency, base_s=0.0025, per_seq_s=0.00007)
-    if kind != "vllm":
-        raise RollpackerError(f"--engine {kind!r}: use `vllm` or `fake`")
-    from rollpacker.engines.vllm_engine import VLLMEngine
-    from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model
-
-    model_dir = str(build_tiny_model(model)) if model in PRESETS else model
-    cfg = EngineConfig(
-        model_dir=model_dir,
-        max_num_seqs=concurrency,
-        max_model_len=max(256, max_model_len),
-        kv_cache_gib=kv_gib,
-        seed=seed,
-    )
-    return VLLMEngine(cfg)
 
 
 @trace_app.command("generate")
@@ -472,6 +444,7 @@ def bench_planner(
     import dataclasses
 
     from rollpacker.bench.planner import PlannerBenchConfig, render
+    from rollpacker.bench.replay import load_trace
     from rollpacker.core.config import RolloutConfig, load_config
     from rollpacker.profiling import planner_benchmark
 
@@ -483,7 +456,7 @@ def bench_planner(
                 cfg.engine, max_model_len=max(cfg.engine.max_model_len, max_tokens + 160)
             ),
         )
-        records, source = _load_records(trace, preset, cfg.seed)
+        records, source = load_trace(trace, preset, cfg.seed)
         bcfg = PlannerBenchConfig(
             rollout=RolloutConfig(prompts_per_step=p0, responses_per_prompt=r0, max_tokens=max_tokens),
             max_num_seqs=cfg.engine.max_num_seqs,

@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.core.config import PolicyName, RolloutConfig, SortedConfig, SortedMode
-from rollpacker.core.errors import ConfigError, PolicyError
+from rollpacker.core.errors import ConfigError, PolicyError, RollpackerError
 from rollpacker.core.metrics import RolloutMetrics, percentile
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
 from rollpacker.core.policies.partial import PartialPolicy
@@ -998,3 +998,43 @@ def write_report(report: dict[str, Any], path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
+
+
+def load_trace(trace: Path | None, preset: str, seed: int) -> tuple[list[TraceRecord], str]:
+    """A trace file, or a preset's seeded trace; and where it came from."""
+    from rollpacker.core.trace import PRESETS, generate, parse_lines
+
+    if trace is not None:
+        if not trace.is_file():
+            raise RollpackerError(f"trace file {trace} does not exist")
+        return list(parse_lines(trace.read_text().splitlines(), source=str(trace))), str(trace)
+    if preset not in PRESETS:
+        raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
+    return list(generate(PRESETS[preset], seed=seed)), f"preset:{preset}"
+
+
+def make_engine(
+    kind: str, model: str, concurrency: int, kv_gib: int, max_model_len: int, seed: int
+) -> RolloutEngine:
+    """The engine to replay on: ``vllm`` (a tiny-model preset or a model directory) or ``fake``
+    (the simulated engine, for dry runs)."""
+    from rollpacker.core.config import EngineConfig
+
+    if kind == "fake":
+        from rollpacker.engines.fake import FakeEngine
+
+        return FakeEngine(concurrency=concurrency, base_s=0.0025, per_seq_s=0.00007)
+    if kind != "vllm":
+        raise RollpackerError(f"--engine {kind!r}: use `vllm` or `fake`")
+    from rollpacker.engines.vllm_engine import VLLMEngine
+    from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model
+
+    model_dir = str(build_tiny_model(model)) if model in PRESETS else model
+    cfg = EngineConfig(
+        model_dir=model_dir,
+        max_num_seqs=concurrency,
+        max_model_len=max(256, max_model_len),
+        kv_cache_gib=kv_gib,
+        seed=seed,
+    )
+    return VLLMEngine(cfg)
