@@ -321,3 +321,14 @@ def test_groups_complete_from_the_cache_reach_the_stream_even_without_an_engine_
     rr = run_round(FakeEngine(), pol.open_round(pol.plan_step(1)), policy_version=1, on_group=got.append)
     assert not rr.steps and sorted(g.prompt.prompt_id for g in got) == ["p000", "p001"]
     assert {g.prompt.prompt_id for g in rr.result.groups} == {"p000", "p001"}
+
+
+def test_the_stored_buffer_round_trips_and_a_foreign_document_is_refused() -> None:
+    from rollpacker.core.policies.buffered import buffer_from_json, buffer_to_json
+
+    entries = (BufferEntry("p1", 2, (_sample(0, 3, 1, False), _sample(1, 2, 2, True))), BufferEntry("p2", 3))
+    assert buffer_from_json(buffer_to_json(entries), "s3://b/buf.json") == entries
+    with pytest.raises(PolicyError, match=r"s3://b/x\.json: not a rollout buffer"):
+        buffer_from_json('{"entries": [], "extra": 1}', "s3://b/x.json")
+    with pytest.raises(PolicyError, match=r"s3://b/x\.json: not JSON"):
+        buffer_from_json("{", "s3://b/x.json")

@@ -25,6 +25,7 @@ from typing import Any
 
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.policies.base import RolloutPolicy
+from rollpacker.core.policies.buffered import buffer_to_json
 from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
 from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.state import ControllerState
@@ -317,7 +318,7 @@ class RolloutService(Service, RolloutAPI):
 
     def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
         key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
-        return str(self.store().put_json(key, {"entries": [e.to_dict() for e in buffer]}))
+        return self.store().put_bytes(key, buffer_to_json(buffer).encode(), "application/json")
 
     def _drain_engine(self) -> None:
         live = self.engine.live_request_ids()

@@ -13,8 +13,8 @@ import dataclasses
 
 from rollpacker.core.latency import Predictor, ProfileTable, best_layout
 from rollpacker.core.planner import replay
-from rollpacker.core.policies.buffered import BufferEntry
-from rollpacker.core.state import ControllerState, StateError, TPPlan
+from rollpacker.core.policies.buffered import BufferEntry, buffer_from_json
+from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
 from rollpacker.stages.context import StageContext
 
@@ -99,10 +99,7 @@ def buffer_of(ctx: StageContext, uri: str) -> tuple[BufferEntry, ...]:
     """The rollout buffer the rollout service stored for this attempt (empty without one)."""
     if not uri:
         return ()
-    doc = ctx.store.get_json(ctx.store.key_of(uri))
-    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list):
-        raise StateError(f"{uri}: not a rollout buffer written by the rollout service")
-    return tuple(BufferEntry.from_dict(d, f"{uri} entries[{i}]") for i, d in enumerate(doc["entries"]))
+    return buffer_from_json(ctx.store.get_bytes(ctx.store.key_of(uri)).decode(), uri)
 
 
 def step_metrics(

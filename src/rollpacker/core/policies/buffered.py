@@ -171,6 +171,28 @@ class BufferEntry:
         )
 
 
+def buffer_to_json(entries: Sequence[BufferEntry]) -> str:
+    """The rollout buffer as the rollout service stores it for the commit (``buffer_from_json``)."""
+    import json
+
+    return json.dumps({"entries": [e.to_dict() for e in entries]})
+
+
+def buffer_from_json(text: str, where: str) -> tuple[BufferEntry, ...]:
+    """The buffer ``buffer_to_json`` wrote; anything else is refused by name."""
+    import json
+
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise PolicyError(
+            f"{where}: not JSON ({e}): not a rollout buffer written by the rollout service"
+        ) from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list) or set(doc) != {"entries"}:
+        raise PolicyError(f"{where}: not a rollout buffer written by the rollout service")
+    return tuple(BufferEntry.from_dict(d, f"{where} entries[{i}]") for i, d in enumerate(doc["entries"]))
+
+
 def buffer_from_state(cache: Iterable[BufferEntry], known: Callable[[str], bool]) -> list[BufferEntry]:
     """The buffer of a state's ``partial_cache``, checked: a prompt twice, or a prompt the task does
     not have, is an error (the state belongs to another dataset), never silently dropped."""
