@@ -1,6 +1,6 @@
 """The container image of every component, from one place.
 
-Defaults are ``ghcr.io/rollpacker/<image>:0.1.0`` (issue 8 builds them from ``images/<image>/``);
+Defaults are ``ghcr.io/rollpacker/<image>:0.1.0`` (built from ``images/<image>/`` by ``make images``);
 ``ROLLPACKER_IMAGE_<IMAGE>`` (e.g. ``ROLLPACKER_IMAGE_ROLLOUT=registry.local/rollout:dev``) overrides
 one at compile time. The value is read when a component module is imported, so
 ``rollpacker.pipeline_compile.compile_pipelines`` re-imports the component modules on every call.

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from rollpacker.core.config import load_config
 from rollpacker.core.errors import RollpackerError
 
 PACKAGES = ("components", "pipelines")
@@ -79,6 +80,5 @@ def compile_pipelines(out_dir: Path, steps: int) -> list[Path]:
 
 def steps_from_config(path: Path) -> int:
     """``steps`` of an experiment YAML (validated like ``rollpacker train`` does)."""
-    from rollpacker.core.config import load_config
 
     return load_config(path).steps

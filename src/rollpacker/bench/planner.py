@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rollpacker.bench.replay import replay_sampling
 from rollpacker.core import planner as plan_mod
 from rollpacker.core.config import PolicyName, RolloutConfig
 from rollpacker.core.errors import ConfigError
@@ -148,7 +149,6 @@ def run_mode(
     ``mode``: ``fixed`` (stay on ``start``), ``per-step`` (RollPacker: TP per round kind from the
     preemption history), ``switching`` (PAT inside each round), ``per-step+switching``.
     """
-    from rollpacker.bench.replay import replay_sampling
 
     rc = dataclasses.replace(cfg.rollout, policy=PolicyName.TAIL_BATCHING)
     prompts = to_prompts(records, vocab_size=259, seed=cfg.seed)

@@ -67,9 +67,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from rollpacker.core.config import PolicyName, RolloutConfig, SortedConfig, SortedMode
+from rollpacker.core.config import EngineConfig, PolicyName, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import ConfigError, PolicyError, RollpackerError
-from rollpacker.core.metrics import RolloutMetrics, percentile
+from rollpacker.core.metrics import RolloutMetrics, bubble_ratio, percentile
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
 from rollpacker.core.policies.partial import PartialPolicy
 from rollpacker.core.policies.sorted import SortedPolicy
@@ -85,7 +85,8 @@ from rollpacker.core.scaledown import (
     ScaleDownConfig,
     ScaleDownMonitor,
 )
-from rollpacker.core.trace import TraceRecord, check_serves, length_stats, to_prompts
+from rollpacker.core.trace import PRESETS as TRACE_PRESETS
+from rollpacker.core.trace import TraceRecord, check_serves, generate, length_stats, parse_lines, to_prompts
 from rollpacker.core.types import (
     Completion,
     EngineStepStats,
@@ -96,7 +97,11 @@ from rollpacker.core.types import (
     SamplingSpec,
 )
 from rollpacker.engines.base import RolloutEngine
+from rollpacker.engines.fake import FakeEngine
+from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import run_round
+from rollpacker.tasks.tiny_model import PRESETS as MODEL_PRESETS
+from rollpacker.tasks.tiny_model import build_tiny_model
 
 SCALING_BATCHES = (1, 8, 32, 128)
 
@@ -560,7 +565,6 @@ class PolicyRun:
         return sum(m.time_s for m in self.steps)
 
     def summary(self, concurrency: int, saturated_tps: float) -> dict[str, Any]:
-        from rollpacker.core.metrics import bubble_ratio
 
         n = len(self.steps)
         useful = sum(m.tokens_useful for m in self.steps)
@@ -1002,15 +1006,14 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 def load_trace(trace: Path | None, preset: str, seed: int) -> tuple[list[TraceRecord], str]:
     """A trace file, or a preset's seeded trace; and where it came from."""
-    from rollpacker.core.trace import PRESETS, generate, parse_lines
 
     if trace is not None:
         if not trace.is_file():
             raise RollpackerError(f"trace file {trace} does not exist")
         return list(parse_lines(trace.read_text().splitlines(), source=str(trace))), str(trace)
-    if preset not in PRESETS:
-        raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}")
-    return list(generate(PRESETS[preset], seed=seed)), f"preset:{preset}"
+    if preset not in TRACE_PRESETS:
+        raise RollpackerError(f"unknown preset {preset!r}; use one of {sorted(TRACE_PRESETS)}")
+    return list(generate(TRACE_PRESETS[preset], seed=seed)), f"preset:{preset}"
 
 
 def make_engine(
@@ -1018,18 +1021,13 @@ def make_engine(
 ) -> RolloutEngine:
     """The engine to replay on: ``vllm`` (a tiny-model preset or a model directory) or ``fake``
     (the simulated engine, for dry runs)."""
-    from rollpacker.core.config import EngineConfig
 
     if kind == "fake":
-        from rollpacker.engines.fake import FakeEngine
-
         return FakeEngine(concurrency=concurrency, base_s=0.0025, per_seq_s=0.00007)
     if kind != "vllm":
         raise RollpackerError(f"--engine {kind!r}: use `vllm` or `fake`")
-    from rollpacker.engines.vllm_engine import VLLMEngine
-    from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model
 
-    model_dir = str(build_tiny_model(model)) if model in PRESETS else model
+    model_dir = str(build_tiny_model(model)) if model in MODEL_PRESETS else model
     cfg = EngineConfig(
         model_dir=model_dir,
         max_num_seqs=concurrency,

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from rollpacker.core.errors import TraceError
+from rollpacker.core.metrics import percentile
 from rollpacker.core.types import Prompt
 
 
@@ -189,7 +190,6 @@ def to_prompts(
 
 def length_stats(records: Sequence[TraceRecord], responses: int | None = None) -> dict[str, float]:
     """Max / P75 / median / mean over the first ``responses`` lengths of every prompt."""
-    from rollpacker.core.metrics import percentile
 
     xs = [float(x) for r in records for x in r.response_lens[: responses or len(r.response_lens)]]
     return {

@@ -43,7 +43,7 @@ from rollpacker.core.latency import (
     TrajectoryStep,
     choose_layout,
 )
-from rollpacker.core.types import EngineStepStats, GenerationRequest, RequestUpdate
+from rollpacker.core.types import EngineStepStats, GenerationRequest, Prompt, RequestUpdate, SamplingSpec
 
 log = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()
@@ -283,7 +283,6 @@ class EnginePool:
     def warm(self) -> dict[str, float]:
         """Run one short request through every replica of every layout: a fresh engine's first
         steps pay one-off set-up (seconds on a CPU) that a layout switch must not."""
-        from rollpacker.core.types import Prompt, SamplingSpec
 
         out = {}
         for lay, eng in self.engines.items():

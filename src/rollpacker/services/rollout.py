@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.buffered import buffer_to_json
 from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
@@ -31,6 +32,9 @@ from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Completion, Group, SamplingSpec
+from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine, node_devices
+from rollpacker.engines.profiler import ProfileSpec, profile_and_check
+from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import generate, run_round, sample_requests
 from rollpacker.services.api import (
     EngineSync,
@@ -76,7 +80,6 @@ class RolloutService(Service, RolloutAPI):
             return self._sync_locked(state, t0)
 
     def _sync_locked(self, state: ControllerState, t0: float) -> EngineSync:
-        from rollpacker.engines.vllm_engine import VLLMEngine
 
         started = reloaded = False
         if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
@@ -99,8 +102,6 @@ class RolloutService(Service, RolloutAPI):
     def _start_layouts(self, ecfg: Any) -> Any:
         """The warm engines of every layout of ``planner.devices`` devices, behind a switching
         engine (the round's TP picks the layout; PAT may switch inside the round)."""
-        from rollpacker.core.latency import Layout, layouts_for
-        from rollpacker.engines.layout import EnginePool, SwitchingEngine, node_devices
 
         pc = self.cfg.planner
         devices = node_devices()
@@ -118,7 +119,6 @@ class RolloutService(Service, RolloutAPI):
 
     def _predictor(self, profile_uri: str) -> Any:
         """The latency predictor of the state's profile (cached per URI), or None without one."""
-        from rollpacker.core.latency import Predictor, ProfileTable
 
         if not profile_uri:
             return None
@@ -131,8 +131,6 @@ class RolloutService(Service, RolloutAPI):
 
     def _prepare_layout(self, state: ControllerState, round_kind: str) -> dict[str, float]:
         """Put the round on the planned layout (short and long rounds keep their own TP)."""
-        from rollpacker.core.latency import Layout
-        from rollpacker.engines.layout import SwitchingEngine
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
@@ -151,8 +149,6 @@ class RolloutService(Service, RolloutAPI):
     def _layout_metrics(self) -> dict[str, float]:
         """Switches made in the round, and the predictor's view of its decode steps (the drift
         that triggers a re-profile)."""
-        from rollpacker.core.latency import predict_step
-        from rollpacker.engines.layout import SwitchingEngine
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
@@ -359,9 +355,6 @@ class RolloutService(Service, RolloutAPI):
         """Profile the served engines (every layout, or the one engine) over the planner's grid,
         check the predictor on real decoding of validation prompts, and write the document to the
         store at ``key``."""
-        from rollpacker.core.latency import Layout
-        from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
-        from rollpacker.engines.profiler import ProfileSpec, profile_and_check
 
         pc = self.cfg.planner
         with self._round_lock:
