@@ -22,6 +22,7 @@ each kind and checks it is caught):
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import functools
@@ -501,8 +502,22 @@ def validate_overlay(
 
 
 def _main(argv: list[str]) -> int:
-    import argparse
+    args = _parser().parse_args(argv)
+    try:
+        root = repo_root()
+        if args.cmd == "images":
+            _cmd_images(args, root)
+        elif args.cmd == "secrets":
+            _cmd_secrets(args)
+        else:
+            _cmd_render(args, root)
+    except (RollpackerError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m rollpacker.deploy", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_img = sub.add_parser("images", help="build the component images (make images)")
@@ -519,49 +534,51 @@ def _main(argv: list[str]) -> int:
     p_ren = sub.add_parser("render", help="kubectl kustomize an overlay after every check passed")
     p_ren.add_argument("overlay", type=Path)
     p_ren.add_argument("--out", type=Path, help="write the rendered YAML here (default: stdout)")
-    args = parser.parse_args(argv)
-    try:
-        root = repo_root()
-        if args.cmd == "images":
-            bases = dict(b.split("=", 1) for b in args.base if "=" in b)
-            if len(bases) != len(args.base):
-                raise DeployError("--base takes KEY=IMAGE")
-            secrets = {k: Path(v) for k, _, v in (s.partition("=") for s in args.secret)}
-            if any(not v.is_file() for v in secrets.values()) or len(secrets) != len(args.secret):
-                raise DeployError(f"--secret takes ID=FILE with an existing file: {args.secret}")
-            tags = build_images(
-                root, args.builder, args.only, bases=bases, secrets=secrets, dry_run=args.dry_run
-            )
-            print("\n".join(("would build " if args.dry_run else "built ") + t for t in tags))
-        elif args.cmd == "secrets":
-            written = generate_secrets(args.out, force=args.force)
-            kept = sorted(set(SECRET_FILES) - {p.name for p in written})
-            print(f"wrote {', '.join(p.name for p in written) or 'nothing'} in {args.out}", end="")
-            print(f" (kept existing {', '.join(kept)})" if kept else "")
-        else:
-            import tempfile
+    return parser
 
-            import yaml
 
-            from rollpacker.pipeline_compile import compile_pipelines
+def _cmd_images(args: argparse.Namespace, root: Path) -> None:
+    """``images``: build the component images (or print the commands with ``--dry-run``)."""
+    bases = dict(b.split("=", 1) for b in args.base if "=" in b)
+    if len(bases) != len(args.base):
+        raise DeployError("--base takes KEY=IMAGE")
+    secrets = {k: Path(v) for k, _, v in (s.partition("=") for s in args.secret)}
+    if any(not v.is_file() for v in secrets.values()) or len(secrets) != len(args.secret):
+        raise DeployError(f"--secret takes ID=FILE with an existing file: {args.secret}")
+    tags = build_images(root, args.builder, args.only, bases=bases, secrets=secrets, dry_run=args.dry_run)
+    print("\n".join(("would build " if args.dry_run else "built ") + t for t in tags))
 
-            with tempfile.TemporaryDirectory() as tmp:  # the pipeline's images and Secrets too
-                step = compile_pipelines(Path(tmp), 1)[0]
-                pipeline_docs = [d for d in yaml.safe_load_all(step.read_text()) if d]
-            problems = validate_overlay(args.overlay, root, pipeline_docs)
-            if problems:
-                raise DeployError(f"{args.overlay}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
-            text = yaml.safe_dump_all(render(args.overlay), sort_keys=False)
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(text)
-                print(f"wrote {args.out}")
-            else:
-                print(text, end="")
-    except (RollpackerError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+def _cmd_secrets(args: argparse.Namespace) -> None:
+    """``secrets``: write the Secrets' env files, keeping existing ones unless ``--force``."""
+    written = generate_secrets(args.out, force=args.force)
+    kept = sorted(set(SECRET_FILES) - {p.name for p in written})
+    print(f"wrote {', '.join(p.name for p in written) or 'nothing'} in {args.out}", end="")
+    print(f" (kept existing {', '.join(kept)})" if kept else "")
+
+
+def _cmd_render(args: argparse.Namespace, root: Path) -> None:
+    """``render``: check the overlay with the compiled pipeline's images and Secrets, then write
+    (or print) the rendered YAML."""
+    import tempfile
+
+    import yaml
+
+    from rollpacker.pipeline_compile import compile_pipelines
+
+    with tempfile.TemporaryDirectory() as tmp:  # the pipeline's images and Secrets too
+        step = compile_pipelines(Path(tmp), 1)[0]
+        pipeline_docs = [d for d in yaml.safe_load_all(step.read_text()) if d]
+    problems = validate_overlay(args.overlay, root, pipeline_docs)
+    if problems:
+        raise DeployError(f"{args.overlay}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    text = yaml.safe_dump_all(render(args.overlay), sort_keys=False)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
 
 
 if __name__ == "__main__":

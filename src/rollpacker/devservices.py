@@ -218,39 +218,8 @@ def up(
     with _lock(root):
         creds = _read_credentials(root)
         wanted = [n for n, on in (("seaweedfs", s3), ("mlflow", mlflow), ("ray", ray)) if on]
-        addresses = {
-            "seaweedfs": f"{HOST}:{sw_ports.s3}",
-            "mlflow": f"http://{HOST}:{mlflow_port}",
-            "ray": f"{RAY_HOST}:{r_ports.gcs}",
-        }
-        ports = {
-            "seaweedfs": [(HOST, p) for p in dataclasses.astuple(sw_ports)],
-            "mlflow": [(HOST, mlflow_port)],
-            "ray": [
-                (RAY_HOST, r_ports.gcs),
-                (RAY_HOST, r_ports.client_server),
-                (RAY_HOST, r_ports.dashboard_agent),
-            ],
-        }
-        reused: list[str] = []
-        for name in wanted:
-            rec = _read_record(root, name)
-            if rec is not None:
-                if _members(rec) and _healthy(name, rec["address"], creds, bucket):
-                    say(f"{name}: running (pid file {_pid_file(root, name)}), reused")
-                    addresses[name] = rec["address"]
-                    reused.append(name)
-                    continue
-                say(f"{name}: recorded but not healthy; stopping its leftovers and starting it again")
-                _stop([rec], grace_s=5.0)
-                _pid_file(root, name).unlink(missing_ok=True)
-            taken = [f"{h}:{p}" for h, p in ports[name] if _port_open(h, p)]
-            if taken:
-                raise ServicesError(
-                    f"{name}: {', '.join(taken)} in use by a process `rollpacker up` did not start "
-                    f"(no live record in {root / 'pids'}); stop that process or pick other ports "
-                    "(`rollpacker up --port-offset N` moves them all)"
-                )
+        addresses, ports = _addresses_and_ports(sw_ports, mlflow_port, r_ports)
+        reused = _reuse_healthy(root, wanted, addresses, ports, creds, bucket, say)
         endpoint = addresses["seaweedfs"]
         creds = _ensure_credentials(root, endpoint, bucket)
         if "seaweedfs" in reused:  # the bucket asked for now may be new
@@ -260,32 +229,7 @@ def up(
             "mlflow": lambda: _start_mlflow(root, mlflow_port, endpoint, creds, bucket, timeout_s),
             "ray": lambda: _start_ray(root, r_ports, ray_num_cpus, timeout_s),
         }
-        results: dict[str, dict[str, Any]] = {}
-        errors: dict[str, BaseException] = {}
-
-        def run(name: str, start: Callable[[], dict[str, Any]]) -> None:
-            try:
-                results[name] = start()
-            except BaseException as e:
-                errors[name] = e
-
-        threads = [
-            threading.Thread(target=run, args=(n, starters[n]), daemon=True)
-            for n in wanted
-            if n not in reused
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            _stop([r for r in results.values()], grace_s=5.0)
-            for name in results:
-                _pid_file(root, name).unlink(missing_ok=True)
-            first = next(iter(errors.values()))
-            if isinstance(first, RollpackerError) and len(errors) == 1:
-                raise first
-            raise ServicesError("; ".join(f"{n}: {e}" for n, e in errors.items())) from first
+        results = _start_all(root, {n: starters[n] for n in wanted if n not in reused})
         startup = {}
         for name, rec in results.items():
             _write_record(root, name, rec)
@@ -304,6 +248,90 @@ def up(
         reused=tuple(n for n in SERVICE_NAMES if n in reused),
         startup_s=startup,
     )
+
+
+def _addresses_and_ports(
+    sw_ports: SeaweedPorts, mlflow_port: int, r_ports: RayPorts
+) -> tuple[dict[str, str], dict[str, list[tuple[str, int]]]]:
+    """Each service's address, and the (host, port) pairs it listens on."""
+    addresses = {
+        "seaweedfs": f"{HOST}:{sw_ports.s3}",
+        "mlflow": f"http://{HOST}:{mlflow_port}",
+        "ray": f"{RAY_HOST}:{r_ports.gcs}",
+    }
+    ports = {
+        "seaweedfs": [(HOST, p) for p in dataclasses.astuple(sw_ports)],
+        "mlflow": [(HOST, mlflow_port)],
+        "ray": [
+            (RAY_HOST, r_ports.gcs),
+            (RAY_HOST, r_ports.client_server),
+            (RAY_HOST, r_ports.dashboard_agent),
+        ],
+    }
+    return addresses, ports
+
+
+def _reuse_healthy(
+    root: Path,
+    wanted: list[str],
+    addresses: dict[str, str],
+    ports: dict[str, list[tuple[str, int]]],
+    creds: dict[str, str] | None,
+    bucket: str,
+    say: Callable[[str], None],
+) -> list[str]:
+    """The wanted services already running and healthy (their recorded address goes into
+    ``addresses``). A recorded but unhealthy one is stopped; a port that another process holds
+    is a ``ServicesError``."""
+    reused: list[str] = []
+    for name in wanted:
+        rec = _read_record(root, name)
+        if rec is not None:
+            if _members(rec) and _healthy(name, rec["address"], creds, bucket):
+                say(f"{name}: running (pid file {_pid_file(root, name)}), reused")
+                addresses[name] = rec["address"]
+                reused.append(name)
+                continue
+            say(f"{name}: recorded but not healthy; stopping its leftovers and starting it again")
+            _stop([rec], grace_s=5.0)
+            _pid_file(root, name).unlink(missing_ok=True)
+        taken = [f"{h}:{p}" for h, p in ports[name] if _port_open(h, p)]
+        if taken:
+            raise ServicesError(
+                f"{name}: {', '.join(taken)} in use by a process `rollpacker up` did not start "
+                f"(no live record in {root / 'pids'}); stop that process or pick other ports "
+                "(`rollpacker up --port-offset N` moves them all)"
+            )
+    return reused
+
+
+def _start_all(root: Path, starters: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Run every starter concurrently; their records by name. If any fails, the ones that started
+    are stopped again and the error is raised (one ``RollpackerError`` as is, else a
+    ``ServicesError`` naming each)."""
+    results: dict[str, dict[str, Any]] = {}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str, start: Callable[[], dict[str, Any]]) -> None:
+        try:
+            results[name] = start()
+        except BaseException as e:
+            errors[name] = e
+
+    threads = [threading.Thread(target=run, args=(n, start), daemon=True) for n, start in starters.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        _stop([r for r in results.values()], grace_s=5.0)
+        for name in results:
+            _pid_file(root, name).unlink(missing_ok=True)
+        first = next(iter(errors.values()))
+        if isinstance(first, RollpackerError) and len(errors) == 1:
+            raise first
+        raise ServicesError("; ".join(f"{n}: {e}" for n, e in errors.items())) from first
+    return results
 
 
 def down(
@@ -543,30 +571,12 @@ def _launch_and_wait(
 ) -> dict[str, Any]:
     """Start ``cmd`` in a new session with its output in ``logs/<name>.log``; wait until ``ready()``.
     A daemonizing command (``ray start``) must exit 0 first. On failure the session is stopped."""
-    import psutil
-
     log = root / "logs" / f"{name}.log"
-    with open(log, "ab") as f:
-        f.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-        f.flush()
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **extra_env},
-            start_new_session=True,
-        )
-    _CHILDREN[proc.pid] = proc
-    try:
-        leader_ctime = psutil.Process(proc.pid).create_time()
-    except psutil.Error:
-        leader_ctime = time.time()
+    proc, t0 = _spawn(cmd, extra_env, log)
     rec: dict[str, Any] = {
         "name": name,
         "sid": proc.pid,
-        "leader_create_time": leader_ctime,
+        "leader_create_time": _create_time(proc.pid),
         "address": address,
         "log": str(log),
         "cmd": cmd,
@@ -577,17 +587,7 @@ def _launch_and_wait(
     deadline = time.monotonic() + timeout_s
     try:
         if daemonizes:
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                raise ServicesError(
-                    f"{name}: `{' '.join(cmd[:2])}` did not finish within {timeout_s:.0f} s; see {log}"
-                ) from None
-            _CHILDREN.pop(proc.pid, None)
-            if rc != 0:
-                raise ServicesError(
-                    f"{name}: `{' '.join(cmd[:2])}` failed (exit {rc}); see {log}:\n{_tail(log)}"
-                )
+            _wait_daemonized(name, proc, cmd, log, timeout_s)
         while not ready():
             if not daemonizes and proc.poll() is not None:
                 raise ServicesError(
@@ -605,6 +605,51 @@ def _launch_and_wait(
     rec["startup_s"] = round(time.perf_counter() - t0, 2)
     rec["pids"] = [[p.pid, p.create_time()] for p in _members(rec)]
     return rec
+
+
+def _spawn(cmd: list[str], extra_env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], float]:
+    """Start ``cmd`` in a new session, its output appended to ``log`` after a header line; the
+    process (kept in ``_CHILDREN``) and the ``perf_counter`` time it was started at."""
+    with open(log, "ab") as f:
+        f.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        f.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **extra_env},
+            start_new_session=True,
+        )
+    _CHILDREN[proc.pid] = proc
+    return proc, t0
+
+
+def _create_time(pid: int) -> float:
+    """A process's start time (now, when it cannot be read)."""
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return time.time()
+
+
+def _wait_daemonized(
+    name: str, proc: subprocess.Popen[bytes], cmd: list[str], log: Path, timeout_s: float
+) -> None:
+    """Wait for a daemonizing command (``ray start``) to exit; a ``ServicesError`` unless it exits 0
+    within ``timeout_s``."""
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ServicesError(
+            f"{name}: `{' '.join(cmd[:2])}` did not finish within {timeout_s:.0f} s; see {log}"
+        ) from None
+    _CHILDREN.pop(proc.pid, None)
+    if rc != 0:
+        raise ServicesError(f"{name}: `{' '.join(cmd[:2])}` failed (exit {rc}); see {log}:\n{_tail(log)}")
 
 
 def _members(rec: dict[str, Any]) -> list[Any]:

@@ -209,13 +209,15 @@ def reset_arms(cfg: ExperimentConfig, arms: Sequence[str], say: Callable[[str], 
 # -- one arm in this process: `rollpacker train`, `bench learning` --------------------------------
 @dataclass(frozen=True)
 class ExactlyOnce:
-    """From an arm's groups logs and final state: no prompt trained twice, none lost."""
+    """From an arm's groups logs and final state: no prompt trained more often than the dataset
+    cursor has passed over it (once, within one epoch), none lost."""
 
-    prompts_trained: int
-    trained_twice: tuple[str, ...]
+    prompts_trained: int  # distinct prompts
+    trained_twice: tuple[str, ...]  # trained more times than the epochs the cursor began
     deferred_total: int
     deferred_lost: tuple[str, ...]  # deferred, never trained, and neither queued nor buffered
     waiting: int  # deferred prompts still in the long-prompt queue or the rollout buffer
+    epochs: int = 1  # epochs of the dataset the cursor began
 
     @property
     def ok(self) -> bool:
@@ -347,10 +349,12 @@ def exactly_once(states: StateStore) -> ExactlyOnce:
         trained.update(log.trained)
         deferred.update(log.deferred)
     waiting = set(last.long_queue) | {e.prompt_id for e in last.partial_cache}
+    epochs = last.cursor_epoch + 1
     return ExactlyOnce(
         prompts_trained=len(trained),
-        trained_twice=tuple(sorted(p for p, n in trained.items() if n > 1)),
+        trained_twice=tuple(sorted(p for p, n in trained.items() if n > epochs)),
         deferred_total=len(deferred),
         deferred_lost=tuple(sorted(deferred - set(trained) - waiting)),
         waiting=len(deferred & waiting),
+        epochs=epochs,
     )

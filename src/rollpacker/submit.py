@@ -151,68 +151,34 @@ def submit(
     host = check_host(host)
     text, cfg = config_text(config, overrides)
     steps = cfg.steps if steps is None else steps
-    arms = list(arms or cfg.arm_names)
-    unknown = [a for a in arms if a not in cfg.arm_names]
-    if unknown:
-        raise SubmitError(f"--arm {unknown}: not arms of {config} (its arms: {cfg.arm_names})")
+    arms = _check_arms(arms or cfg.arm_names, cfg.arm_names, config)
     experiment = experiment or cfg.experiment
     probe_api(host, token)
-
-    from rollpacker.pipeline_compile import compile_pipelines
-
-    package = next(p for p in compile_pipelines(out_dir, steps) if p.name == "rl_experiment.yaml")
-    log(f"compiled {package} ({steps} step{'s' if steps != 1 else ''})")
+    package = _compile(out_dir, steps, log)
 
     if client_factory is None:
         import kfp
 
         client_factory = kfp.Client
-    kwargs: dict[str, Any] = {"host": host}
-    if namespace:
-        kwargs["namespace"] = namespace
-    if token:
-        kwargs["existing_token"] = token
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d-%H%M%S")
     try:
-        with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": said in the docs
-            warnings.simplefilter("ignore", FutureWarning)
-            client = client_factory(**kwargs)
-        pipeline_id = client.get_pipeline_id(pipeline_name)
-        if pipeline_id is None:
-            pipeline = client.upload_pipeline(
-                str(package),
-                pipeline_name=pipeline_name,
-                description=f"rollpacker: {steps} RL steps of one arm",
-            )
-            pipeline_id = pipeline.pipeline_id
-            versions = client.list_pipeline_versions(pipeline_id, sort_by="created_at desc").pipeline_versions
-            if not versions:
-                raise SubmitError(f"pipeline {pipeline_name} ({pipeline_id}) was uploaded but has no version")
-            version_id = versions[0].pipeline_version_id
-            log(f"uploaded pipeline {pipeline_name} ({pipeline_id})")
-        else:
-            version = client.upload_pipeline_version(
-                str(package),
-                pipeline_version_name=f"{pipeline_name}-{steps}steps-{stamp}",
-                pipeline_id=pipeline_id,
-            )
-            version_id = version.pipeline_version_id
-            log(f"uploaded a new version of pipeline {pipeline_name} ({pipeline_id}, version {version_id})")
+        client = _connect(client_factory, host, namespace, token)
+        pipeline_id, version_id = _upload(client, package, pipeline_name, steps, stamp, log)
         exp = client.create_experiment(name=experiment, namespace=namespace or None)
-        runs = []
-        for arm in arms:
-            run = client.run_pipeline(
-                experiment_id=exp.experiment_id,
-                job_name=f"{cfg.experiment}-{arm}-{stamp}",
-                params={"config": text, "arm": arm},
-                pipeline_id=pipeline_id,
-                version_id=version_id,
-                enable_caching=False,
-                service_account=service_account or None,
+        runs = [
+            _start_run(
+                client,
+                host,
+                exp.experiment_id,
+                f"{cfg.experiment}-{arm}-{stamp}",
+                {"config": text, "arm": arm},
+                pipeline_id,
+                version_id,
+                service_account,
+                log,
             )
-            url = f"{host}/#/runs/details/{run.run_id}"
-            runs.append(SubmittedRun(arm=arm, run_id=run.run_id, url=url))
-            log(f"started run {run.run_id} (arm {arm}): {url}")
+            for arm in arms
+        ]
     except SubmitError:
         raise
     except Exception as e:  # kfp_server_api.ApiException, urllib3 errors, ...
@@ -224,3 +190,88 @@ def submit(
         package=package,
         runs=tuple(runs),
     )
+
+
+def _check_arms(arms: list[str], known: list[str], config: Path) -> list[str]:
+    """``arms`` as a new list, after checking each is an arm of the config."""
+    arms = list(arms)
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise SubmitError(f"--arm {unknown}: not arms of {config} (its arms: {known})")
+    return arms
+
+
+def _compile(out_dir: Path, steps: int, log: Any) -> Path:
+    """Compile the pipelines with ``steps`` chained steps; the ``rl_experiment`` package."""
+    from rollpacker.pipeline_compile import compile_pipelines
+
+    package = next(p for p in compile_pipelines(out_dir, steps) if p.name == "rl_experiment.yaml")
+    log(f"compiled {package} ({steps} step{'s' if steps != 1 else ''})")
+    return package
+
+
+def _connect(client_factory: Any, host: str, namespace: str, token: str) -> Any:
+    """The KFP client for ``host`` (in ``namespace``, with ``token`` when given)."""
+    kwargs: dict[str, Any] = {"host": host}
+    if namespace:
+        kwargs["namespace"] = namespace
+    if token:
+        kwargs["existing_token"] = token
+    with warnings.catch_warnings():  # "only works with KFP v2.0.0-beta.2 and later": said in the docs
+        warnings.simplefilter("ignore", FutureWarning)
+        return client_factory(**kwargs)
+
+
+def _upload(
+    client: Any, package: Path, pipeline_name: str, steps: int, stamp: str, log: Any
+) -> tuple[str, str]:
+    """Upload ``package`` as pipeline ``pipeline_name``, or as a new version of it when it exists;
+    the pipeline's id and the version's."""
+    pipeline_id = client.get_pipeline_id(pipeline_name)
+    if pipeline_id is None:
+        pipeline = client.upload_pipeline(
+            str(package),
+            pipeline_name=pipeline_name,
+            description=f"rollpacker: {steps} RL steps of one arm",
+        )
+        pipeline_id = pipeline.pipeline_id
+        versions = client.list_pipeline_versions(pipeline_id, sort_by="created_at desc").pipeline_versions
+        if not versions:
+            raise SubmitError(f"pipeline {pipeline_name} ({pipeline_id}) was uploaded but has no version")
+        version_id = versions[0].pipeline_version_id
+        log(f"uploaded pipeline {pipeline_name} ({pipeline_id})")
+    else:
+        version = client.upload_pipeline_version(
+            str(package),
+            pipeline_version_name=f"{pipeline_name}-{steps}steps-{stamp}",
+            pipeline_id=pipeline_id,
+        )
+        version_id = version.pipeline_version_id
+        log(f"uploaded a new version of pipeline {pipeline_name} ({pipeline_id}, version {version_id})")
+    return pipeline_id, version_id
+
+
+def _start_run(
+    client: Any,
+    host: str,
+    experiment_id: str,
+    job_name: str,
+    params: dict[str, str],
+    pipeline_id: str,
+    version_id: str,
+    service_account: str,
+    log: Any,
+) -> SubmittedRun:
+    """Start one run of the pipeline version (``params["arm"]`` is its arm) and log its URL."""
+    run = client.run_pipeline(
+        experiment_id=experiment_id,
+        job_name=job_name,
+        params=params,
+        pipeline_id=pipeline_id,
+        version_id=version_id,
+        enable_caching=False,
+        service_account=service_account or None,
+    )
+    url = f"{host}/#/runs/details/{run.run_id}"
+    log(f"started run {run.run_id} (arm {params['arm']}): {url}")
+    return SubmittedRun(arm=params["arm"], run_id=run.run_id, url=url)

@@ -399,13 +399,17 @@ def render_arm_plots(
     arm: str, series: dict[str, list[tuple[int, float]]], lengths: list[dict[str, Any]], out_dir: Path
 ) -> list[Path]:
     """The three per-arm plots as PNGs in ``out_dir`` (names as in ``PLOT_FILES``, without ``plots/``)."""
-    from matplotlib.patches import Patch
-
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / Path(p).name for p in PLOT_FILES]
     kind_of = {int(d["step"]): str(d.get("round_kind", "standard")) for d in lengths}
+    _plot_stage_times(arm, series, paths[0])
+    _plot_lengths(arm, lengths, paths[1])
+    _plot_long_queue(arm, series, kind_of, paths[2])
+    return paths
 
-    # (1) step time by stage: stacked bars + step/time_s line
+
+def _plot_stage_times(arm: str, series: dict[str, list[tuple[int, float]]], path: Path) -> None:
+    """(1) step time by stage: stacked bars + step/time_s line."""
     fig = _figure()
     ax = fig.add_subplot()
     present = [k for k in STAGE_KEYS if series.get(k)]
@@ -427,9 +431,13 @@ def render_arm_plots(
     else:
         _no_data(ax, "stage times")
     ax.set(xlabel="step", ylabel="seconds", title=f"{arm}: step time by stage")
-    _save(fig, paths[0])
+    _save(fig, path)
 
-    # (2) response-length distribution per step, coloured by round kind
+
+def _plot_lengths(arm: str, lengths: list[dict[str, Any]], path: Path) -> None:
+    """(2) response-length distribution per step, coloured by round kind."""
+    from matplotlib.patches import Patch
+
     fig = _figure()
     ax = fig.add_subplot()
     docs = [d for d in lengths if d.get("lengths")]
@@ -458,9 +466,16 @@ def render_arm_plots(
     else:
         _no_data(ax, "response lengths")
     ax.set(xlabel="step", ylabel="response length (tokens)", title=f"{arm}: response lengths per step")
-    _save(fig, paths[1])
+    _save(fig, path)
 
-    # (3) long-prompt queue size per step
+
+def _plot_long_queue(
+    arm: str, series: dict[str, list[tuple[int, float]]], kind_of: dict[int, str], path: Path
+) -> None:
+    """(3) long-prompt queue size per step, coloured by its round kind (``kind_of[step]``), long
+    rounds shaded."""
+    from matplotlib.patches import Patch
+
     fig = _figure(9.0, 3.5)
     ax = fig.add_subplot()
     q = series.get(LONG_QUEUE_KEY, [])
@@ -477,8 +492,7 @@ def render_arm_plots(
     else:
         _no_data(ax, LONG_QUEUE_KEY)
     ax.set(xlabel="step", ylabel="prompts", title=f"{arm}: long-prompt queue size after each step")
-    _save(fig, paths[2])
-    return paths
+    _save(fig, path)
 
 
 # -- comparison -------------------------------------------------------------------------------

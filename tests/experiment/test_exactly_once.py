@@ -14,7 +14,9 @@ from rollpacker.store.local import FileStore
 from rollpacker.store.state_store import StateStore
 
 
-def _arm(tmp_path, steps: list[tuple[tuple[str, ...], tuple[str, ...]]], queue=(), buffer=()) -> StateStore:
+def _arm(
+    tmp_path, steps: list[tuple[tuple[str, ...], tuple[str, ...]]], queue=(), buffer=(), epoch=0
+) -> StateStore:
     tmp_path.mkdir(parents=True, exist_ok=True)
     states = StateStore(FileStore(tmp_path), "exp", "arm")
     state = ControllerState("exp", "arm", -1, 0, 0, 0)
@@ -24,6 +26,7 @@ def _arm(tmp_path, steps: list[tuple[tuple[str, ...], tuple[str, ...]]], queue=(
         states.put_blob(s, "groups.json", log.to_json().encode())
         last = s == len(steps) - 1
         state = state.successor(
+            cursor_epoch=epoch if last else 0,
             long_queue=tuple(queue) if last else (),
             partial_cache=tuple(BufferEntry(p, s) for p in buffer) if last else (),
         )
@@ -42,6 +45,13 @@ def test_a_prompt_trained_twice_or_lost_is_reported(tmp_path) -> None:
     assert not twice.ok and twice.trained_twice == ("b",)
     lost = exactly_once(_arm(tmp_path / "l", [(("a",), ("x", "y")), (("x",), ())], queue=()))
     assert not lost.ok and lost.deferred_lost == ("y",)
+
+
+def test_a_prompt_is_trained_once_per_epoch_the_cursor_began(tmp_path) -> None:
+    steps = [(("a", "b"), ()), (("a", "c"), ()), (("a", "b"), ())]
+    assert exactly_once(_arm(tmp_path / "one", steps, epoch=1)).trained_twice == ("a",)  # 3 times in 2
+    second = exactly_once(_arm(tmp_path / "two", steps, epoch=2))
+    assert second.ok and second.epochs == 3
 
 
 def test_learning_arms_are_checked_by_name() -> None:

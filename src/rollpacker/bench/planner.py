@@ -207,6 +207,10 @@ def predictor_view(pred: Predictor, max_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+# one mode's run: (mode, pool, predictor, starting layout, steps) -> its result
+_RunMode = Callable[[str, EnginePool, Predictor, Layout, int], ModeRun]
+
+
 def run_planner_bench(
     table: ProfileTable,
     records: Sequence[TraceRecord],
@@ -225,34 +229,15 @@ def run_planner_bench(
     prompt_len = round(sum(r.prompt_len for r in records) / len(records))
     best = best_layout(pred, batch, prompt_len, rc.max_tokens)
     progress(f"profiled best layout for {batch} x {rc.max_tokens} tokens: {best.name}")
-    capacities = {lp.layout: lp.kv_capacity_tokens for lp in table.layouts}
 
-    scenarios: dict[str, Callable[[Layout], int]] = {
-        "measured_kv": lambda lay: capacities[lay],
-        "constrained_kv": lambda lay: kv_capacity(lay, cfg.constrained_kv_tokens, cfg.weights_share),
-    }
+    def mode_run(mode: str, pool: EnginePool, predictor: Predictor, start: Layout, steps: int) -> ModeRun:
+        return run_mode(mode, pool, predictor, start, records, cfg, steps, devices, max_tp, progress)
+
     sim: dict[str, Any] = {}
-    for name, cap in scenarios.items():
-        # the predictor knows the scenario's KV capacity (switch targets must hold the requests)
-        pred = Predictor(
-            dataclasses.replace(
-                table,
-                layouts=tuple(
-                    dataclasses.replace(lp, kv_capacity_tokens=cap(lp.layout)) for lp in table.layouts
-                ),
-            ),
-            switch_overhead_s=cfg.switch_overhead_s,
-        )
-        runs = []
-        for lay in layouts:
-            pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
-            runs.append(
-                run_mode("fixed", pool, pred, lay, records, cfg, cfg.steps, devices, max_tp, progress)
-            )
-        for mode in ("per-step", "switching", "per-step+switching"):
-            pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
-            runs.append(run_mode(mode, pool, pred, best, records, cfg, cfg.steps, devices, max_tp, progress))
-        sim[name] = _with_speedups(runs, {lay.name: cap(lay) for lay in layouts})
+    for name, cap in _kv_scenarios(table, cfg).items():
+        pred = _scenario_predictor(table, cap, cfg.switch_overhead_s)
+        sim[name] = _simulate(mode_run, pred, layouts, best, cap, cfg)
+    # from here on ``pred`` is the last scenario's predictor
     out: dict[str, Any] = {
         "config": {**asdict(cfg), "rollout": asdict(rc), "source": source},
         "profile": {
@@ -265,20 +250,52 @@ def run_planner_bench(
         "predictor_view": predictor_view(pred, rc.max_tokens),
     }
     if real_pool is not None and cfg.real_steps > 0:
-        runs = []
-        for lay in layouts:
-            runs.append(
-                run_mode(
-                    "fixed", real_pool, pred, lay, records, cfg, cfg.real_steps, devices, max_tp, progress
-                )
-            )
-        runs.append(
-            run_mode(
-                "switching", real_pool, pred, best, records, cfg, cfg.real_steps, devices, max_tp, progress
-            )
-        )
+        runs = [mode_run("fixed", real_pool, pred, lay, cfg.real_steps) for lay in layouts]
+        runs.append(mode_run("switching", real_pool, pred, best, cfg.real_steps))
         out["real"] = _with_speedups(runs, {})
     return out
+
+
+def _kv_scenarios(table: ProfileTable, cfg: PlannerBenchConfig) -> dict[str, Callable[[Layout], int]]:
+    """Each simulated scenario's KV tokens per replica of a layout: measured, and constrained."""
+    capacities = {lp.layout: lp.kv_capacity_tokens for lp in table.layouts}
+    return {
+        "measured_kv": lambda lay: capacities[lay],
+        "constrained_kv": lambda lay: kv_capacity(lay, cfg.constrained_kv_tokens, cfg.weights_share),
+    }
+
+
+def _scenario_predictor(
+    table: ProfileTable, cap: Callable[[Layout], int], switch_overhead_s: float
+) -> Predictor:
+    """The predictor knows the scenario's KV capacity (switch targets must hold the requests)."""
+    return Predictor(
+        dataclasses.replace(
+            table,
+            layouts=tuple(dataclasses.replace(lp, kv_capacity_tokens=cap(lp.layout)) for lp in table.layouts),
+        ),
+        switch_overhead_s=switch_overhead_s,
+    )
+
+
+def _simulate(
+    mode_run: _RunMode,
+    pred: Predictor,
+    layouts: Sequence[Layout],
+    best: Layout,
+    cap: Callable[[Layout], int],
+    cfg: PlannerBenchConfig,
+) -> dict[str, Any]:
+    """One KV scenario on simulated replicas: every fixed layout, then the planner modes from
+    ``best``, each on a fresh pool."""
+    runs = []
+    for lay in layouts:
+        pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
+        runs.append(mode_run("fixed", pool, pred, lay, cfg.steps))
+    for mode in ("per-step", "switching", "per-step+switching"):
+        pool = simulated_pool(pred, layouts, cfg.max_num_seqs, cap)
+        runs.append(mode_run(mode, pool, pred, best, cfg.steps))
+    return _with_speedups(runs, {lay.name: cap(lay) for lay in layouts})
 
 
 def _with_speedups(runs: Sequence[ModeRun], kv: dict[str, int]) -> dict[str, Any]:

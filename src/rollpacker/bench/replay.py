@@ -704,6 +704,45 @@ def run_policy(
     return run
 
 
+@dataclass(frozen=True)
+class _Arms:
+    """What every arm of one benchmark run shares: the engine, the trace's prompts in file order,
+    the replay sampling, the config and the callbacks."""
+
+    engine: RolloutEngine
+    prompts: list[Prompt]
+    sampling: SamplingFactory
+    cfg: BenchConfig
+    progress: Callable[[str, RolloutMetrics], None] | None
+    observer: Callable[[], ScaleDownObserver | None]  # a fresh scale-down observer per arm
+    log: Callable[[str], None]
+
+    def run(
+        self,
+        policy: RolloutPolicy,
+        stop: Callable[[RolloutPolicy, list[RolloutMetrics]], bool],
+        max_steps: int,
+        label: str | None = None,
+    ) -> PolicyRun:
+        return run_policy(
+            self.engine, policy, stop, max_steps, self.progress, label=label, scaledown=self.observer()
+        )
+
+
+@dataclass(frozen=True)
+class _BufferedSizing:
+    """How long the buffered arms run: ``n_steps`` (tail batching's length), the sorted arms rounded
+    up to ``groups`` whole SortedRL groups of ``group_size`` steps when the trace holds them
+    (``whole``), and partial rollout's requests in flight."""
+
+    n_steps: int
+    group_size: int
+    groups: int
+    whole: bool
+    sorted_steps: int
+    in_flight: int
+
+
 def run_benchmark(
     engine: RolloutEngine,
     records: Sequence[TraceRecord],
@@ -716,20 +755,39 @@ def run_benchmark(
     check_serves(records, rc.launched_responses, source)
     prompts = to_prompts(records, vocab_size=min(engine.vocab_size, 256 + 3), seed=cfg.seed)
     sampling = replay_sampling(rc.max_tokens, cfg.seed)
-
-    log("measuring the engine's batch-scaling curve")
-    measure_scaling(engine, (8,), 16, tag="warmup")  # first steps pay one-off costs
-    batches = sorted(set(SCALING_BATCHES) | {engine.concurrency})
-    scaling = measure_scaling(engine, batches, cfg.scaling_tokens)
-    sat = max(p.tokens_per_s for p in scaling if p.batch <= engine.concurrency)
+    scaling, sat = _measure_engine(engine, cfg, log)
     layout, sd_info = _scaledown_setup(engine, cfg, log)
 
     def observer() -> ScaleDownObserver | None:
         return None if layout is None else ScaleDownObserver(engine, layout, ScaleDownConfig(), rc.max_tokens)
 
-    # Tail batching first: it decides which prompts a whole number of periods trains.
+    arms = _Arms(engine, prompts, sampling, cfg, progress, observer, log)
+    tb_run = _run_tail_batching(arms)
+    sync_run = _run_sync(arms, tb_run)
+    runs = {"sync": sync_run, "tail_batching": tb_run}
+    sizing = _buffered_sizing(rc, len(tb_run.steps), len(prompts), engine.concurrency)
+    _run_buffered_arms(arms, sizing, runs)
+    return _report(engine, records, cfg, source, scaling, sat, sd_info, sizing, runs)
+
+
+def _measure_engine(
+    engine: RolloutEngine, cfg: BenchConfig, log: Callable[[str], None]
+) -> tuple[list[ScalingPoint], float]:
+    """The engine's batch-scaling curve and its saturated tokens/s (at most the concurrency limit)."""
+    log("measuring the engine's batch-scaling curve")
+    measure_scaling(engine, (8,), 16, tag="warmup")  # first steps pay one-off costs
+    batches = sorted(set(SCALING_BATCHES) | {engine.concurrency})
+    scaling = measure_scaling(engine, batches, cfg.scaling_tokens)
+    sat = max(p.tokens_per_s for p in scaling if p.batch <= engine.concurrency)
+    return scaling, sat
+
+
+def _run_tail_batching(arms: _Arms) -> PolicyRun:
+    """Tail batching first: it decides which prompts a whole number of periods trains."""
+    cfg, rc = arms.cfg, arms.cfg.rollout
     tb_cfg = replace(rc, policy=PolicyName.TAIL_BATCHING)
-    tb = TailBatchingPolicy(tb_cfg, PromptCursor(prompts, shuffle=False, epochs=1), sampling, namespace="tb")
+    cursor = PromptCursor(arms.prompts, shuffle=False, epochs=1)
+    tb = TailBatchingPolicy(tb_cfg, cursor, arms.sampling, namespace="tb")
     speculates_prompts = tb_cfg.launched_prompts > tb_cfg.prompts_per_step
 
     def tb_stop(_policy: RolloutPolicy, steps: list[RolloutMetrics]) -> bool:
@@ -743,63 +801,96 @@ def run_benchmark(
         remaining = tb.cursor.remaining() or 0
         return len(tb.queue) < rc.prompts_per_step and remaining < tb_cfg.launched_prompts
 
-    log("running tail batching")
-    tb_run = run_policy(engine, tb, tb_stop, cfg.max_steps, progress, scaledown=observer())
+    arms.log("running tail batching")
+    tb_run = arms.run(tb, tb_stop, cfg.max_steps)
     if not any(m.round_kind == RoundKind.LONG.value for m in tb_run.steps) and speculates_prompts:
-        log("note: no long round completed; the trace is too short for a whole period")
+        arms.log("note: no long round completed; the trace is too short for a whole period")
+    return tb_run
 
-    # The baseline trains exactly the same prompts, in dataset order, in as many steps.
+
+def _run_sync(arms: _Arms, tb_run: PolicyRun) -> PolicyRun:
+    """The baseline trains exactly the same prompts, in dataset order, in as many steps."""
     trained = set(tb_run.trained_prompt_ids)
-    same = [p for p in prompts if p.prompt_id in trained]
-    sync_cfg = replace(rc, policy=PolicyName.SYNC)
-    sync = SyncPolicy(sync_cfg, PromptCursor(same, shuffle=False, epochs=1), sampling, namespace="sync")
-    log("running the synchronous baseline on the same prompts")
+    same = [p for p in arms.prompts if p.prompt_id in trained]
+    sync_cfg = replace(arms.cfg.rollout, policy=PolicyName.SYNC)
+    sync = SyncPolicy(sync_cfg, PromptCursor(same, shuffle=False, epochs=1), arms.sampling, namespace="sync")
+    arms.log("running the synchronous baseline on the same prompts")
     n_steps = len(tb_run.steps)
-    sync_run = run_policy(engine, sync, _after(n_steps), n_steps, progress, scaledown=observer())
+    return arms.run(sync, _after(n_steps), n_steps)
 
-    runs = {"sync": sync_run, "tail_batching": tb_run}
 
-    # The buffered arms: the whole trace in file order, their own choice of prompts.
-    by_id = {p.prompt_id: p for p in prompts}
+def _buffered_sizing(rc: RolloutConfig, n_steps: int, num_prompts: int, concurrency: int) -> _BufferedSizing:
     n = rc.sorted.group_size
     groups = -(-n_steps // n)
-    whole = groups * n * rc.prompts_per_step <= len(prompts)
+    whole = groups * n * rc.prompts_per_step <= num_prompts
     sorted_steps = groups * n if whole else n_steps
-    in_flight = rc.partial.in_flight or min(engine.concurrency, rc.prompts_per_step * rc.responses_per_prompt)
-    for name in cfg.policies:
+    in_flight = rc.partial.in_flight or min(concurrency, rc.prompts_per_step * rc.responses_per_prompt)
+    return _BufferedSizing(n_steps, n, groups, whole, sorted_steps, in_flight)
+
+
+def _run_buffered_arms(arms: _Arms, sizing: _BufferedSizing, runs: dict[str, PolicyRun]) -> None:
+    """The buffered arms: the whole trace in file order, their own choice of prompts; each run is
+    added to ``runs`` under its name."""
+    by_id = {p.prompt_id: p for p in arms.prompts}
+    for name in arms.cfg.policies:
         if name in runs:
             continue
-        cursor = PromptCursor(prompts, shuffle=False, epochs=1)
-        policy: RolloutPolicy
-        if name in ("sorted", "sorted_partial"):
-            mode = SortedMode.PARTIAL if name == "sorted_partial" else SortedMode.ON_POLICY
-            pcfg = replace(rc, policy=PolicyName.SORTED, sorted=SortedConfig(mode=mode, group_size=n))
-            policy = SortedPolicy(pcfg, cursor, sampling, by_id, namespace=name)
-            steps = sorted_steps
-            log(
-                f"running {name} (SortedRL {mode.value}, n={n}) for {steps} steps"
-                + (
-                    ""
-                    if whole
-                    else f" (the trace holds fewer than {groups} groups of {n * rc.prompts_per_step})"
-                )
-            )
-        else:
-            pcfg = replace(rc, policy=PolicyName.PARTIAL)
-            policy = PartialPolicy(pcfg, cursor, sampling, by_id, in_flight=in_flight, namespace=name)
-            steps = n_steps
-            log(f"running partial rollout ({in_flight} requests in flight) for {steps} steps")
-        runs[name] = run_policy(
-            engine, policy, _after(steps), steps, progress, label=name, scaledown=observer()
-        )
+        policy, steps = _buffered_policy(arms, name, sizing, by_id)
+        runs[name] = arms.run(policy, _after(steps), steps, label=name)
         if runs[name].trace_used_up:
-            log(f"note: {name} used up the trace after {len(runs[name].steps)} steps")
+            arms.log(f"note: {name} used up the trace after {len(runs[name].steps)} steps")
 
-    summaries = {name: runs[name].summary(engine.concurrency, sat) for name in ALL_POLICIES if name in runs}
+
+def _buffered_policy(
+    arms: _Arms, name: str, sizing: _BufferedSizing, by_id: dict[str, Prompt]
+) -> tuple[RolloutPolicy, int]:
+    """The buffered arm ``name`` (sorted, sorted_partial or partial) on a fresh cursor over the
+    trace, and how many steps it runs (logged)."""
+    rc = arms.cfg.rollout
+    cursor = PromptCursor(arms.prompts, shuffle=False, epochs=1)
+    n = sizing.group_size
+    if name in ("sorted", "sorted_partial"):
+        mode = SortedMode.PARTIAL if name == "sorted_partial" else SortedMode.ON_POLICY
+        pcfg = replace(rc, policy=PolicyName.SORTED, sorted=SortedConfig(mode=mode, group_size=n))
+        steps = sizing.sorted_steps
+        short = f" (the trace holds fewer than {sizing.groups} groups of {n * rc.prompts_per_step})"
+        arms.log(
+            f"running {name} (SortedRL {mode.value}, n={n}) for {steps} steps"
+            + ("" if sizing.whole else short)
+        )
+        return SortedPolicy(pcfg, cursor, arms.sampling, by_id, namespace=name), steps
+    pcfg = replace(rc, policy=PolicyName.PARTIAL)
+    policy = PartialPolicy(pcfg, cursor, arms.sampling, by_id, in_flight=sizing.in_flight, namespace=name)
+    steps = sizing.n_steps
+    arms.log(f"running partial rollout ({sizing.in_flight} requests in flight) for {steps} steps")
+    return policy, steps
+
+
+def _summaries(runs: dict[str, PolicyRun], concurrency: int, sat: float) -> dict[str, dict[str, Any]]:
+    """Each arm's summary in report order, with its speedup over sync (rollout seconds per step)."""
+    summaries = {name: runs[name].summary(concurrency, sat) for name in ALL_POLICIES if name in runs}
     base = summaries["sync"]["rollout_s_per_step"]
     for s in summaries.values():
         s["speedup"] = base / s["rollout_s_per_step"] if s["rollout_s_per_step"] > 0 else 0.0
+    return summaries
+
+
+def _report(
+    engine: RolloutEngine,
+    records: Sequence[TraceRecord],
+    cfg: BenchConfig,
+    source: str,
+    scaling: list[ScalingPoint],
+    sat: float,
+    sd_info: dict[str, Any] | None,
+    sizing: _BufferedSizing,
+    runs: dict[str, PolicyRun],
+) -> dict[str, Any]:
+    """The benchmark's JSON report."""
+    rc = cfg.rollout
+    summaries = _summaries(runs, engine.concurrency, sat)
     trace_stats = length_stats(records, rc.launched_responses)
+    trained = set(runs["tail_batching"].trained_prompt_ids)
     return {
         "config": {
             "P0": rc.prompts_per_step,
@@ -809,9 +900,9 @@ def run_benchmark(
             "max_tokens": rc.max_tokens,
             "periods": cfg.periods,
             "policies": list(summaries),
-            "group_size": n,
-            "sorted_steps": sorted_steps,
-            "partial_in_flight": in_flight,
+            "group_size": sizing.group_size,
+            "sorted_steps": sizing.sorted_steps,
+            "partial_in_flight": sizing.in_flight,
             "partial_max_staleness": rc.partial.max_staleness,
             "concurrency": engine.concurrency,
             "tp_size": engine.tp_size,
@@ -831,7 +922,7 @@ def run_benchmark(
         ],
         "saturated_tokens_per_s": sat,
         "step_time_ratio_128_vs_1": _ratio(scaling, 128, 1),
-        "trained_prompts_identical": sorted(trained) == sorted(sync_run.trained_prompt_ids),
+        "trained_prompts_identical": sorted(trained) == sorted(runs["sync"].trained_prompt_ids),
         "policies": summaries,
         "sortedrl_reference": sortedrl_reference(summaries),
         "per_step": {name: [m.as_dict() for m in runs[name].steps] for name in summaries},
@@ -877,34 +968,45 @@ def _ratio(points: Sequence[ScalingPoint], a: int, b: int) -> float | None:
 
 def render_table(report: dict[str, Any]) -> str:
     """The human-readable summary printed by ``rollpacker bench rollout``."""
-    lines = []
+    lines = _trace_and_scaling_lines(report)
+    lines.append("")
+    lines.extend(_policy_table_lines(report["policies"]))
+    lines.extend(_arm_notes_lines(report["policies"]))
+    lines.extend(_scaledown_lines(report))
+    lines.extend(_sortedrl_lines(report))
+    return "\n".join(lines)
+
+
+def _trace_and_scaling_lines(report: dict[str, Any]) -> list[str]:
+    """The trace, the configuration and the engine's batch-scaling curve."""
     c = report["config"]
     t = report["trace"]
-    lines.append(
+    lines = [
         f"trace {t['source']}: {t['prompts']} prompts; response length max {t['max']:.0f}, "
-        f"P75 {t['p75']:.0f}, median {t['p50']:.0f}"
-    )
-    lines.append(
+        f"P75 {t['p75']:.0f}, median {t['p50']:.0f}",
         f"P0={c['P0']} R0={c['R0']} eta_p={c['eta_p']} eta_r={c['eta_r']} max_tokens={c['max_tokens']} "
-        f"concurrency Q={c['concurrency']} TP={c['tp_size']}"
-    )
-    lines.append("")
-    lines.append("engine batch scaling (decode):")
-    lines.append(f"  {'batch':>6} {'tokens/s':>10} {'ms/step':>9}")
+        f"concurrency Q={c['concurrency']} TP={c['tp_size']}",
+        "",
+        "engine batch scaling (decode):",
+        f"  {'batch':>6} {'tokens/s':>10} {'ms/step':>9}",
+    ]
     for p in report["batch_scaling"]:
         lines.append(f"  {p['batch']:>6} {p['tokens_per_s']:>10.0f} {p['step_ms']:>9.2f}")
     r = report.get("step_time_ratio_128_vs_1")
     if r is not None:
         lines.append(f"  step time at batch 128 / batch 1 = {r:.2f}x (1.0 = perfectly memory-bound)")
-    lines.append("")
+    return lines
+
+
+def _policy_table_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """The per-policy table: a header, a rule and one row per arm."""
     hdr = (
         f"{'policy':<14} {'steps':>5} {'s/step':>8} {'speedup':>8} {'bubble':>7} {'effic.':>7} "
         f"{'lag':>5} {'lag max':>7} {'off-pol':>7} "
         f"{'generated':>10} {'useful':>9} {'wasted':>8} {'cached':>8} {'max len/step (mean)':>20}"
     )
-    lines.append(hdr)
-    lines.append("-" * len(hdr))
-    for name, s in report["policies"].items():
+    lines = [hdr, "-" * len(hdr)]
+    for name, s in policies.items():
         mx = s["max_len_per_step"]
         lines.append(
             f"{name:<14} {s['steps']:>5} {s['rollout_s_per_step']:>8.2f} {s['speedup']:>7.2f}x "
@@ -914,39 +1016,48 @@ def render_table(report: dict[str, Any]) -> str:
             f"{s['tokens_cached']:>8} {sum(mx) / max(1, len(mx)):>20.0f}"
             + ("  (trace used up)" if s.get("trace_used_up") else "")
         )
-    tb = report["policies"]["tail_batching"]
-    lines.append("")
-    lines.append(
+    return lines
+
+
+def _arm_notes_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """Tail batching's round kinds and the buffered arms' resumed / cached / stale tokens."""
+    tb = policies["tail_batching"]
+    lines = [
+        "",
         f"tail batching: {tb['short_rounds']} short + {tb['long_rounds']} long rounds; "
-        f"P75 length per step {percentile(tb['p75_len_per_step'], 50):.0f} (median over steps)"
-    )
-    buffered = [k for k in ("sorted", "sorted_partial", "partial") if k in report["policies"]]
+        f"P75 length per step {percentile(tb['p75_len_per_step'], 50):.0f} (median over steps)",
+    ]
+    buffered = [k for k in ("sorted", "sorted_partial", "partial") if k in policies]
     if buffered:
         lines.append(
             "buffered arms (lag = token-weighted policy-version lag of trained tokens, one update per "
             "step): "
             + "; ".join(
-                f"{k} {report['policies'][k]['tokens_resumed']} resumed, "
-                f"{report['policies'][k]['tokens_left_cached']} left cached"
+                f"{k} {policies[k]['tokens_resumed']} resumed, "
+                f"{policies[k]['tokens_left_cached']} left cached"
                 + (
-                    f", {report['policies'][k]['tokens_dropped_stale']} dropped as stale"
-                    if report["policies"][k]["tokens_dropped_stale"]
+                    f", {policies[k]['tokens_dropped_stale']} dropped as stale"
+                    if policies[k]["tokens_dropped_stale"]
                     else ""
                 )
                 for k in buffered
             )
         )
-    lines.extend(_scaledown_lines(report))
+    return lines
+
+
+def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
+    """The measured SortedRL bubble ratios beside the paper's (empty when no sorted arm ran)."""
     ref = report.get("sortedrl_reference")
-    if ref is not None and len(ref["measured"]["bubble_ratio"]) > 1:
-        m, pp = ref["measured"]["bubble_ratio"], ref["paper"]["bubble_ratio"]
-        ours = ", ".join(f"{k} {v:.1%}" for k, v in m.items() if k != "baseline")
-        lines.append(
-            f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; paper (003 sec. 4.4.1) "
-            f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
-            f"sorted_partial {pp['sorted_partial']:.2%}"
-        )
-    return "\n".join(lines)
+    if ref is None or len(ref["measured"]["bubble_ratio"]) <= 1:
+        return []
+    m, pp = ref["measured"]["bubble_ratio"], ref["paper"]["bubble_ratio"]
+    ours = ", ".join(f"{k} {v:.1%}" for k, v in m.items() if k != "baseline")
+    return [
+        f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; paper (003 sec. 4.4.1) "
+        f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
+        f"sorted_partial {pp['sorted_partial']:.2%}"
+    ]
 
 
 def _scaledown_lines(report: dict[str, Any]) -> list[str]:

@@ -22,6 +22,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,11 +133,9 @@ def run_reward_bench(
 ) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from rollpacker.rewards.code import CodeReward
     from rollpacker.rewards.sandbox import Sandbox, SandboxLimits
 
     workload = make_workload(problems, responses, doomed_share, wrong_share, case_s, seed)
-    kinds = {s.sample_id: s.kind for s in workload}
     limits = SandboxLimits(wall_s=2 * t_max_s + 5, cpu_s=2 * t_max_s + 5)
     sandbox = Sandbox(limits)
     modes: dict[str, dict[str, Any]] = {}
@@ -145,44 +144,10 @@ def run_reward_bench(
         total=2 * epochs, desc="reward bench (fixed, then adaptive)", unit="epoch", disable=not progress
     )
     for mode in ("fixed", "adaptive"):
-        timeouts = AdaptiveTimeout(
-            TimeoutConfig(adaptive=mode == "adaptive", lam=lam, t_min_s=t_min_s, t_max_s=t_max_s)
-        )
-        reward = CodeReward(sandbox, timeouts, workers=workers)
-        per_epoch: list[float] = []
-        verdicts[mode] = {}
-        n_timeouts = 0
-        exec_s: dict[str, list[float]] = {"correct": [], "wrong": [], "doomed": []}
-        try:
-            for e in range(epochs):
-                secs, results = _score_epoch(reward, workload, e)
-                per_epoch.append(secs)
-                for s, r in zip(workload, results, strict=True):
-                    verdicts[mode][f"e{e}/{s.sample_id}"] = (r.correct, r.status.value)
-                    n_timeouts += r.status.value == "timeout"
-                    exec_s[s.kind].append(r.elapsed_s)
-                bar.update(1)
-        finally:
-            reward.close()
-        misjudged = sorted(
-            sid
-            for sid, (ok, _) in verdicts[mode].items()
-            if kinds[sid.split("/", 1)[1]] == "correct" and not ok
-        )
-        modes[mode] = {
-            "reward_stage_s": sum(per_epoch),
-            "per_epoch_s": per_epoch,
-            "timeouts": n_timeouts,
-            "misjudged_correct": misjudged,
-            "mean_scoring_s": {k: statistics.fmean(v) if v else 0.0 for k, v in exec_s.items()},
-            "anchors": len(timeouts),
-        }
+        tcfg = TimeoutConfig(adaptive=mode == "adaptive", lam=lam, t_min_s=t_min_s, t_max_s=t_max_s)
+        modes[mode], verdicts[mode] = _run_mode(sandbox, tcfg, workload, epochs, workers, bar.update)
     bar.close()
-    differ = sorted(
-        sid
-        for sid, v in verdicts["fixed"].items()
-        if v[0] != verdicts["adaptive"][sid][0] and kinds[_sample(sid)] != "doomed"
-    )
+    differ = _verdicts_differ(verdicts, {s.sample_id: s.kind for s in workload})
     counts = {k: sum(1 for s in workload if s.kind == k) for k in ("correct", "wrong", "doomed")}
     return {
         "workload": {
@@ -201,6 +166,59 @@ def run_reward_bench(
         "verdicts_differ": differ,
         "no_correct_misjudged": not modes["adaptive"]["misjudged_correct"] and not differ,
     }
+
+
+def _run_mode(
+    sandbox: Any,
+    tcfg: TimeoutConfig,
+    workload: list[Sample],
+    epochs: int,
+    workers: int,
+    epoch_done: Callable[[int], object],
+) -> tuple[dict[str, Any], dict[str, tuple[bool, str]]]:
+    """Score ``workload`` for ``epochs`` epochs with one timeout mode, from empty anchors: the mode's
+    summary, and each scored id's verdict ``(correct, status)``."""
+    from rollpacker.rewards.code import CodeReward
+
+    kinds = {s.sample_id: s.kind for s in workload}
+    timeouts = AdaptiveTimeout(tcfg)
+    reward = CodeReward(sandbox, timeouts, workers=workers)
+    per_epoch: list[float] = []
+    verdicts: dict[str, tuple[bool, str]] = {}
+    n_timeouts = 0
+    exec_s: dict[str, list[float]] = {"correct": [], "wrong": [], "doomed": []}
+    try:
+        for e in range(epochs):
+            secs, results = _score_epoch(reward, workload, e)
+            per_epoch.append(secs)
+            for s, r in zip(workload, results, strict=True):
+                verdicts[f"e{e}/{s.sample_id}"] = (r.correct, r.status.value)
+                n_timeouts += r.status.value == "timeout"
+                exec_s[s.kind].append(r.elapsed_s)
+            epoch_done(1)
+    finally:
+        reward.close()
+    misjudged = sorted(
+        sid for sid, (ok, _) in verdicts.items() if kinds[_sample(sid)] == "correct" and not ok
+    )
+    summary = {
+        "reward_stage_s": sum(per_epoch),
+        "per_epoch_s": per_epoch,
+        "timeouts": n_timeouts,
+        "misjudged_correct": misjudged,
+        "mean_scoring_s": {k: statistics.fmean(v) if v else 0.0 for k, v in exec_s.items()},
+        "anchors": len(timeouts),
+    }
+    return summary, verdicts
+
+
+def _verdicts_differ(verdicts: dict[str, dict[str, tuple[bool, str]]], kinds: dict[str, str]) -> list[str]:
+    """Scored ids whose correctness differs between the fixed and adaptive runs, doomed ones aside."""
+    return sorted(
+        sid
+        for sid, v in verdicts["fixed"].items()
+        if v[0] != verdicts["adaptive"][sid][0] and kinds[_sample(sid)] != "doomed"
+    )
 
 
 def _sample(scored_id: str) -> str:

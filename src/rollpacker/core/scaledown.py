@@ -332,15 +332,8 @@ def meets_criteria(
     """
     if not (_is_number(kv_safety) and 0.0 < kv_safety <= 1.0):
         raise ValueError(f"meets_criteria: kv_safety = {kv_safety!r}, must be in (0, 1]")
-    ids = set(layout.replica_ids)
-    freed_set = set(freed)
-    unknown = sorted(freed_set - ids)
-    if unknown:
-        raise ValueError(f"meets_criteria: freed replica(s) {unknown!r} are not in the layout")
-    keep = tuple(sorted(ids - freed_set))
-    if not keep:
-        raise ValueError("meets_criteria: freeing every replica leaves nothing for rollout")
-    freed_t = tuple(sorted(freed_set))
+    freed_t, keep = _split_layout(layout, freed)
+    freed_set = set(freed_t)
     _check_running(layout, running)
 
     proj = {req.request_id: projected_tokens(req, history) for req in running}
@@ -363,17 +356,9 @@ def meets_criteria(
     movers = sorted(
         (r for r in running if r.replica_id in freed_set), key=lambda r: (-proj[r.request_id], r.request_id)
     )
-    migrate: list[tuple[str, str]] = []
-    for req in movers:
-        t = proj[req.request_id]
-        target = min(keep, key=lambda rid: (load[rid] - cap[rid], rid))
-        if load[target] + t > cap[target]:
-            return refuse(
-                f"placement: request {req.request_id!r} ({t} tokens) fits no kept replica "
-                f"(largest headroom {cap[target] - load[target]} on {target!r})"
-            )
-        load[target] += t
-        migrate.append((req.request_id, target))
+    migrate, why = _place(movers, keep, proj, load, cap)
+    if why:
+        return refuse(why)
     return CriteriaCheck(
         freed_t,
         keep,
@@ -383,6 +368,44 @@ def meets_criteria(
         tuple(sorted(migrate)),
         tuple((rid, load[rid]) for rid in keep),
     )
+
+
+def _split_layout(layout: RolloutLayout, freed: Sequence[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(freed, keep)`` replica ids, each sorted; a ``ValueError`` when ``freed`` names a replica
+    outside the layout or leaves none to keep."""
+    ids = set(layout.replica_ids)
+    freed_set = set(freed)
+    unknown = sorted(freed_set - ids)
+    if unknown:
+        raise ValueError(f"meets_criteria: freed replica(s) {unknown!r} are not in the layout")
+    keep = tuple(sorted(ids - freed_set))
+    if not keep:
+        raise ValueError("meets_criteria: freeing every replica leaves nothing for rollout")
+    return tuple(sorted(freed_set)), keep
+
+
+def _place(
+    movers: Sequence[RunningRequest],
+    keep: Sequence[str],
+    proj: Mapping[str, int],
+    load: dict[str, int],
+    cap: Mapping[str, int],
+) -> tuple[list[tuple[str, str]], str]:
+    """Greedy placement of ``movers`` (in order) onto the kept replica with the most headroom (ties
+    by id), adding to ``load``: the ``(request_id, replica_id)`` moves, and ``""`` or why one
+    request fits nowhere."""
+    migrate: list[tuple[str, str]] = []
+    for req in movers:
+        t = proj[req.request_id]
+        target = min(keep, key=lambda rid: (load[rid] - cap[rid], rid))
+        if load[target] + t > cap[target]:
+            return migrate, (
+                f"placement: request {req.request_id!r} ({t} tokens) fits no kept replica "
+                f"(largest headroom {cap[target] - load[target]} on {target!r})"
+            )
+        load[target] += t
+        migrate.append((req.request_id, target))
+    return migrate, ""
 
 
 def _check_running(layout: RolloutLayout, running: Sequence[RunningRequest]) -> None:

@@ -207,45 +207,8 @@ def profile_engines(
         cfg, spec.layouts, devices, on_start=lambda lay, s: say(f"{lay.name}: engines up in {s:.1f} s")
     )
     try:
-        layouts = []
         rng = random.Random(spec.seed)
-        for lay in spec.layouts:
-            eng = pool[lay]
-            cap = _engine_kv_capacity(eng)
-            grid = spec.grid(cap, cfg.max_model_len, cfg.max_num_seqs)
-            if not grid:
-                raise EngineError(
-                    f"{lay.name}: no profile point fits (KV capacity {cap} tokens, max_model_len "
-                    f"{cfg.max_model_len}); lower the contexts or raise engine.kv_cache_gib"
-                )
-            # one throw-away point: the first steps of a fresh engine pay one-off set-up
-            tag = f"prof/{time.time_ns()}/{lay.name}"  # request ids are single-use per engine
-            with contextlib.suppress(_PointLost):  # a warm-up: only its cost mattered
-                measure_point(eng, rng, f"{tag}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
-            points = []
-            for b, length in grid:
-                try:
-                    p = measure_point(
-                        eng, rng, f"{tag}/b{b}l{length}", b, length, spec.window, cfg.max_model_len
-                    )
-                except _PointLost as e:
-                    say(str(e))
-                    continue
-                points.append(p)
-                say(
-                    f"{lay.name} B={b:<3} L={length:<4} prefill {p.prefill_s * 1e3:7.1f} ms  "
-                    f"decode {p.decode_s * 1e3:6.2f} ms/step"
-                )
-            if not points:
-                raise EngineError(f"{lay.name}: every profile point was lost; raise engine.max_model_len")
-            layouts.append(
-                LayoutProfile(
-                    layout=lay,
-                    points=tuple(points),
-                    kv_capacity_tokens=cap,
-                    startup_s=eng.startup_s,
-                )
-            )
+        layouts = [_profile_layout(pool[lay], lay, cfg, spec, rng, say) for lay in spec.layouts]
         return ProfileTable(
             model=Path(cfg.model_dir).name,
             hardware=_hardware(),
@@ -259,6 +222,43 @@ def profile_engines(
     finally:
         if own:
             pool.close()
+
+
+def _profile_layout(
+    eng: LayoutEngine,
+    lay: Layout,
+    cfg: EngineConfig,
+    spec: ProfileSpec,
+    rng: random.Random,
+    say: Callable[[str], None],
+) -> LayoutProfile:
+    """Every point of ``spec``'s grid that fits ``lay``'s engine, after one throw-away point."""
+    cap = _engine_kv_capacity(eng)
+    grid = spec.grid(cap, cfg.max_model_len, cfg.max_num_seqs)
+    if not grid:
+        raise EngineError(
+            f"{lay.name}: no profile point fits (KV capacity {cap} tokens, max_model_len "
+            f"{cfg.max_model_len}); lower the contexts or raise engine.kv_cache_gib"
+        )
+    # one throw-away point: the first steps of a fresh engine pay one-off set-up
+    tag = f"prof/{time.time_ns()}/{lay.name}"  # request ids are single-use per engine
+    with contextlib.suppress(_PointLost):  # a warm-up: only its cost mattered
+        measure_point(eng, rng, f"{tag}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
+    points = []
+    for b, length in grid:
+        try:
+            p = measure_point(eng, rng, f"{tag}/b{b}l{length}", b, length, spec.window, cfg.max_model_len)
+        except _PointLost as e:
+            say(str(e))
+            continue
+        points.append(p)
+        say(
+            f"{lay.name} B={b:<3} L={length:<4} prefill {p.prefill_s * 1e3:7.1f} ms  "
+            f"decode {p.decode_s * 1e3:6.2f} ms/step"
+        )
+    if not points:
+        raise EngineError(f"{lay.name}: every profile point was lost; raise engine.max_model_len")
+    return LayoutProfile(layout=lay, points=tuple(points), kv_capacity_tokens=cap, startup_s=eng.startup_s)
 
 
 def _hardware() -> str:

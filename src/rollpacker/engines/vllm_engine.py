@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollpacker.core.config import EngineConfig
 from rollpacker.core.errors import EngineError
@@ -28,6 +28,9 @@ from rollpacker.core.types import (
     GenerationRequest,
     RequestUpdate,
 )
+
+if TYPE_CHECKING:
+    from vllm import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -112,51 +115,61 @@ def _make_logger_factory(collector: _StatsCollector) -> Any:
     return _Logger
 
 
+def _set_vllm_env(cfg: EngineConfig, in_process: bool) -> None:
+    """The environment vLLM reads at start: KV cache size on CPU (a whole number of GiB), log
+    level, and whether the engine core runs in this process."""
+    if _ON_CPU and not float(cfg.kv_cache_gib).is_integer():
+        raise EngineError(
+            f"engine.kv_cache_gib = {cfg.kv_cache_gib}: vLLM on CPU takes a whole number of GiB "
+            "(VLLM_CPU_KVCACHE_SPACE); use 1 or more"
+        )
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+def _start_llm_engine(model_dir: Path, cfg: EngineConfig, collector: _StatsCollector) -> LLMEngine:
+    """A ``vllm.LLMEngine`` for ``cfg`` reporting its stats to ``collector``; an ``EngineError``
+    naming the config when vLLM fails to start."""
+    from vllm import EngineArgs, LLMEngine
+
+    args = EngineArgs(
+        model=str(model_dir),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # TP workers as processes (Ray is the cluster's, not the engine's, scheduler here).
+        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
+        seed=cfg.seed,
+        disable_log_stats=False,
+        enforce_eager=True,
+        # Behaviour logprobs after temperature (what the token was sampled from), so the
+        # trainer's PPO ratio compares like with like at any temperature.
+        logprobs_mode="processed_logprobs",
+    )
+    try:
+        return LLMEngine.from_engine_args(args, stat_loggers=[_make_logger_factory(collector)])
+    except Exception as e:  # vLLM raises many types; name the config that failed
+        raise EngineError(
+            f"vLLM failed to start on {model_dir} (max_num_seqs={cfg.max_num_seqs}, "
+            f"max_model_len={cfg.max_model_len}, kv_cache_gib={cfg.kv_cache_gib}): {e}. "
+            "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
+        ) from e
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` behind the rollout engine port."""
 
     def __init__(self, cfg: EngineConfig, in_process: bool = True) -> None:
         model_dir = check_model_dir(cfg.model_dir)
         self.cfg = cfg
-        if _ON_CPU and not float(cfg.kv_cache_gib).is_integer():
-            raise EngineError(
-                f"engine.kv_cache_gib = {cfg.kv_cache_gib}: vLLM on CPU takes a whole number of GiB "
-                "(VLLM_CPU_KVCACHE_SPACE); use 1 or more"
-            )
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        from vllm import EngineArgs, LLMEngine
-
+        _set_vllm_env(cfg, in_process)
         self._collector = _StatsCollector()
         self._in_process = in_process
         self._weights_dir: str | None = None
-        args = EngineArgs(
-            model=str(model_dir),
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            max_num_seqs=cfg.max_num_seqs,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            # TP workers as processes (Ray is the cluster's, not the engine's, scheduler here).
-            distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
-            seed=cfg.seed,
-            disable_log_stats=False,
-            enforce_eager=True,
-            # Behaviour logprobs after temperature (what the token was sampled from), so the
-            # trainer's PPO ratio compares like with like at any temperature.
-            logprobs_mode="processed_logprobs",
-        )
         t0 = time.perf_counter()
-        try:
-            self._engine = LLMEngine.from_engine_args(
-                args, stat_loggers=[_make_logger_factory(self._collector)]
-            )
-        except Exception as e:  # vLLM raises many types; name the config that failed
-            raise EngineError(
-                f"vLLM failed to start on {model_dir} (max_num_seqs={cfg.max_num_seqs}, "
-                f"max_model_len={cfg.max_model_len}, kv_cache_gib={cfg.kv_cache_gib}): {e}. "
-                "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
-            ) from e
+        self._engine = _start_llm_engine(model_dir, cfg, self._collector)
         self.startup_s = time.perf_counter() - t0
         # An engine core in its own process runs ahead of this client (it keeps stepping while we
         # process outputs), so wall time around step() is not the engine's step time. Each batch
@@ -165,15 +178,7 @@ class VLLMEngine:
         self._core_ts = 0.0
         self._busy_since = 0.0
         if not in_process:
-            core = self._engine.engine_core
-            fetch = core.get_output
-
-            def get_output() -> Any:
-                out = fetch()
-                self._core_ts = float(getattr(out, "timestamp", 0.0) or time.monotonic())
-                return out
-
-            core.get_output = get_output
+            self._stamp_core_outputs()
         hf = self._engine.model_config.hf_config
         self._vocab = int(hf.vocab_size)
         tok = self._engine.get_tokenizer()
@@ -182,6 +187,18 @@ class VLLMEngine:
         self._live: set[str] = set()
         self._used: set[str] = set()
         self._max_len = cfg.max_model_len
+
+    def _stamp_core_outputs(self) -> None:
+        """Wrap the engine core client's ``get_output`` to keep the core's timestamp of each batch."""
+        core = self._engine.engine_core
+        fetch = core.get_output
+
+        def get_output() -> Any:
+            out = fetch()
+            self._core_ts = float(getattr(out, "timestamp", 0.0) or time.monotonic())
+            return out
+
+        core.get_output = get_output
 
     # -- port ---------------------------------------------------------------------------------
     @property

@@ -47,7 +47,7 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +180,32 @@ def _streamed_layer_class() -> type:
 # --- the runner ------------------------------------------------------------------------------------
 
 
+def _compute_device(device: str) -> torch.device:
+    """``device`` as a torch device; a ``ConfigError`` unless it is the CPU or an available GPU."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available here; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r}: the offload runs on 'cpu' or 'cuda'")
+    return dev
+
+
+def _meta_model(config: Any) -> Any:
+    """The model built on the meta device, in eval mode without grads: the offloaded layers never
+    get memory of their own, the resident part is copied from the memory-mapped file into the
+    compute device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
 class OffloadedCausalLM:
     """A HF causal LM whose layers ``k..L-1`` are streamed from host memory (see the module docstring).
 
@@ -197,35 +223,50 @@ class OffloadedCausalLM:
         track_memory: bool = True,
     ) -> None:
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         if n_buffers < 1:
             raise ConfigError(f"n_buffers = {n_buffers}: must be >= 1 (2 for double buffering)")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r}: CUDA is not available here; use device='cpu'")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"device {device!r}: the offload runs on 'cpu' or 'cuda'")
+        self.device = _compute_device(device)
         self.model_dir = Path(model_dir)
         self.mode = mode
         self.n_buffers = n_buffers
         self.track_memory = track_memory
         self._cuda = self.device.type == "cuda"
+        config = self._read_config(resident_layers)
+        self.host = HostLayerStore(self.model_dir, self.num_layers, pin=self._cuda)
+        self.layer_bytes = self.host.layer_bytes(0)
+        model = _meta_model(config)
+        layers = model.model.layers
+        self._adopt_layers(layers)
+        self.resident_layers = resident_layers
+        for j in range(resident_layers, self.num_layers):
+            layers[j] = self._standins[j]  # offloaded: a stand-in, no weights
+        with torch.inference_mode(False):
+            model.to_empty(device=self.device)
+            self._load_fixed_and_resident(model)
+        self.model = model
+        self.fixed_bytes = sum(
+            p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".layers." not in n
+        )
+        self._init_streaming()
+
+    # -- construction helpers --------------------------------------------------------------------
+
+    def _read_config(self, resident_layers: int) -> Any:
+        """The model directory's HF config; sets ``num_layers`` and checks ``resident_layers``."""
+        from transformers import AutoConfig
+
         if not (self.model_dir / "config.json").is_file():
             raise ConfigError(f"{self.model_dir}: no config.json; pass a HF model directory")
         config = AutoConfig.from_pretrained(str(self.model_dir))
         self.num_layers = int(config.num_hidden_layers)
         if not 0 <= resident_layers <= self.num_layers:
             raise ConfigError(f"resident_layers = {resident_layers}: must be in [0, {self.num_layers}]")
-        self.host = HostLayerStore(self.model_dir, self.num_layers, pin=self._cuda)
-        self.layer_bytes = self.host.layer_bytes(0)
-        # The model is built on the meta device: the offloaded layers never get memory of their own,
-        # the resident part is copied from the memory-mapped file into the compute device.
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.eval()
-        model.requires_grad_(False)
-        layers = model.model.layers
+        return config
+
+    def _adopt_layers(self, layers: Any) -> None:
+        """Record each layer's attributes and a shape-only skeleton, check the host store holds
+        every layer's weights under the model's names, and make the stand-ins."""
         # per-layer attributes a shared buffer must take on (sliding window layers differ)
         self._layer_attrs = [
             {"layer_idx": j, "sliding_window": getattr(layers[j].self_attn, "sliding_window", None)}
@@ -243,16 +284,12 @@ class OffloadedCausalLM:
         self._standins = [
             streamed(self, j, getattr(layers[j], "attention_type", None)) for j in range(self.num_layers)
         ]
-        self.resident_layers = resident_layers
-        for j in range(resident_layers, self.num_layers):
-            layers[j] = self._standins[j]  # offloaded: a stand-in, no weights
-        with torch.inference_mode(False):
-            model.to_empty(device=self.device)
-            self._load_fixed_and_resident(model)
-        self.model = model
-        self.fixed_bytes = sum(
-            p.numel() * p.element_size() for n, p in self.model.named_parameters() if ".layers." not in n
-        )
+
+    def _init_streaming(self) -> None:
+        """The layer buffers, the copy machinery (thread or CUDA stream and events), the forward
+        hooks and the counters."""
+        import torch
+
         self._slots: list[torch.nn.Module] = []
         self._resize_slots()
         self._executor: ThreadPoolExecutor | None = None
@@ -269,8 +306,6 @@ class OffloadedCausalLM:
         self._forwards = self._streamed = self._peak_bytes = 0
         self._copy_s = self._wait_s = 0.0
         self.reset_stats()
-
-    # -- construction helpers --------------------------------------------------------------------
 
     def _load_fixed_and_resident(self, model: Any) -> None:
         """Fill the resident part of a ``to_empty`` model from the host store; rebuild its rotary buffers."""
@@ -674,23 +709,10 @@ def _bench(
     models: dict[str, Any] = {"resident": resident, **{n: r.model for n, r in runners.items()}}
 
     def forward(model: Any) -> torch.Tensor:
-        with torch.no_grad():
-            out = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        if cuda:
-            torch.cuda.synchronize()
-        return out
+        return _forward(model, ids, cuda)
 
-    outs = {name: forward(m).float().cpu() for name, m in models.items()}  # warm-up round
-    peaks = {name: r.stats().peak_resident_weight_bytes for name, r in runners.items()}
-    for r in runners.values():
-        r.track_memory = False  # measured in the warm-up round; the walk would add to the timings
-        r.reset_stats()
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(repeats):
-        for name, m in models.items():
-            t0 = time.perf_counter()
-            forward(m)
-            times[name].append(time.perf_counter() - t0)
+    outs, peaks = _warm_up(models, runners, forward)
+    times = _time_round_robin(models, forward, repeats)
     report: dict[str, Any] = {
         "config": {
             "model_dir": str(model_dir),
@@ -710,43 +732,111 @@ def _bench(
         },
     }
     for name, runner in runners.items():
-        st = runner.stats()
-        report[name] = {
-            "time_s": statistics.median(times[name]),
-            "peak_resident_weight_bytes": peaks[name],
-            "expected_weight_bytes": runner.expected_weight_bytes(),
-            "layer_bytes": runner.layer_bytes,
-            "fixed_bytes": runner.fixed_bytes,
-            "max_abs_diff": float((outs[name] - outs["resident"]).abs().max()),
-            "copy_s_per_forward": st.copy_s / max(1, st.forwards),
-            "wait_s_per_forward": st.wait_s / max(1, st.forwards),
-        }
+        report[name] = _offload_row(runner, times[name], peaks[name], outs[name] - outs["resident"])
         runner.close()
     del models, runners, resident
     if cuda:  # device memory of each alone: a fresh build, one forward, the allocator's peak
-        for name in ("resident", "naive", "pipelined"):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            if name == "resident":
-                forward(load_resident(model_dir, device))
-            else:
-                mode = OffloadMode.NAIVE if name == "naive" else OffloadMode.PIPELINED
-                buffers = 1 if name == "naive" else n_buffers
-                with OffloadedCausalLM(model_dir, k, n_buffers=buffers, mode=mode, device=device) as r:
-                    forward(r.model)
-            report[name]["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
+        _cuda_peaks(report, forward, model_dir, k, n_buffers, device)
     if measure_rss:
-        for name, buffers in (("resident", n_buffers), ("naive", 1), ("pipelined", n_buffers)):
-            report[name]["rss_anon_added_bytes"] = _rss_in_subprocess(
-                mode=name,
-                model_dir=str(model_dir),
-                num_layers=num_layers,
-                k=k,
-                n_buffers=buffers,
-                batch=batch,
-                seq_len=seq_len,
-            )
+        _rss_rows(report, model_dir, num_layers, k, n_buffers, batch, seq_len)
     return report
+
+
+def _rss_rows(
+    report: dict[str, Any], model_dir: Path, num_layers: int, k: int, n_buffers: int, batch: int, seq_len: int
+) -> None:
+    """Add each mode's ``rss_anon_added_bytes``, each measured in a fresh process."""
+    for name, buffers in (("resident", n_buffers), ("naive", 1), ("pipelined", n_buffers)):
+        report[name]["rss_anon_added_bytes"] = _rss_in_subprocess(
+            mode=name,
+            model_dir=str(model_dir),
+            num_layers=num_layers,
+            k=k,
+            n_buffers=buffers,
+            batch=batch,
+            seq_len=seq_len,
+        )
+
+
+def _forward(model: Any, ids: torch.Tensor, cuda: bool) -> torch.Tensor:
+    """One forward of the decoder on ``ids`` (waits for the device on CUDA): its last hidden state."""
+    import torch
+
+    with torch.no_grad():
+        out = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    if cuda:
+        torch.cuda.synchronize()
+    return out
+
+
+def _warm_up(
+    models: dict[str, Any],
+    runners: dict[str, OffloadedCausalLM],
+    forward: Callable[[Any], torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """One warm-up round: each model's output (CPU, float) and each runner's peak resident weight
+    bytes; then memory tracking is switched off (the walk would add to the timings)."""
+    outs = {name: forward(m).float().cpu() for name, m in models.items()}
+    peaks = {name: r.stats().peak_resident_weight_bytes for name, r in runners.items()}
+    for r in runners.values():
+        r.track_memory = False  # measured in the warm-up round; the walk would add to the timings
+        r.reset_stats()
+    return outs, peaks
+
+
+def _time_round_robin(
+    models: dict[str, Any], forward: Callable[[Any], torch.Tensor], repeats: int
+) -> dict[str, list[float]]:
+    """Seconds of each model's forward, ``repeats`` rounds taking the models in turn."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            forward(m)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def _offload_row(
+    runner: OffloadedCausalLM, times: list[float], peak: int, diff: torch.Tensor
+) -> dict[str, Any]:
+    """One offload mode's report: ``diff`` is its output minus the resident model's."""
+    st = runner.stats()
+    return {
+        "time_s": statistics.median(times),
+        "peak_resident_weight_bytes": peak,
+        "expected_weight_bytes": runner.expected_weight_bytes(),
+        "layer_bytes": runner.layer_bytes,
+        "fixed_bytes": runner.fixed_bytes,
+        "max_abs_diff": float(diff.abs().max()),
+        "copy_s_per_forward": st.copy_s / max(1, st.forwards),
+        "wait_s_per_forward": st.wait_s / max(1, st.forwards),
+    }
+
+
+def _cuda_peaks(
+    report: dict[str, Any],
+    forward: Callable[[Any], torch.Tensor],
+    model_dir: Path,
+    k: int,
+    n_buffers: int,
+    device: str,
+) -> None:
+    """Add each mode's ``peak_cuda_allocated_bytes``: a fresh build alone, one forward, the
+    allocator's peak."""
+    import torch
+
+    for name in ("resident", "naive", "pipelined"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if name == "resident":
+            forward(load_resident(model_dir, device))
+        else:
+            mode = OffloadMode.NAIVE if name == "naive" else OffloadMode.PIPELINED
+            buffers = 1 if name == "naive" else n_buffers
+            with OffloadedCausalLM(model_dir, k, n_buffers=buffers, mode=mode, device=device) as r:
+                forward(r.model)
+        report[name]["peak_cuda_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
 
 
 if __name__ == "__main__":  # pragma: no cover - a convenience: python -m rollpacker.rewards.offload

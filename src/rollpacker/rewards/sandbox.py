@@ -72,7 +72,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rollpacker.core.errors import ConfigError, SandboxError
 
@@ -576,18 +576,7 @@ class Sandbox:
         cases, limits_s = self._check_args(code, tests, timeouts_s)
         lim = self._limits
         nonce = secrets.token_hex(16)
-        payload = marshal.dumps(
-            {
-                "nonce": nonce,
-                "code": code,
-                "tests": list(cases),
-                "timeouts": list(limits_s),
-                "code_s": lim.code_s,
-                "cpu_s": float(lim.cpu_s),
-                "stop_on_failure": bool(stop_on_failure),
-                "detail_chars": _DETAIL_CHARS,
-            }
-        )
+        payload = self._payload(nonce, code, cases, limits_s, stop_on_failure)
         st = _Run(nonce=nonce, limits=lim, t0=time.monotonic(), case_limits_s=limits_s, limit_fn=limit_fn)
         results_r, results_w = os.pipe()
         log_r, log_w = os.pipe()
@@ -612,15 +601,32 @@ class Sandbox:
                 os.close(log_w)
             self._pump(proc, st, payload, results_r, log_r)
         finally:
-            if proc is not None:
-                _reap(proc, kill=bool(st.kill_reason))
-                for f in (proc.stdin, proc.stdout, proc.stderr):
-                    if f is not None:
-                        f.close()
-            os.close(results_r)
-            os.close(log_r)
+            _release(proc, st, results_r, log_r)
         st.parse_results(final=True)
         return self._verdict(st, cases, limits_s, proc.returncode if proc is not None else None)
+
+    def _payload(
+        self,
+        nonce: str,
+        code: str,
+        cases: tuple[str, ...],
+        limits_s: tuple[float, ...],
+        stop_on_failure: bool,
+    ) -> bytes:
+        """What the harness reads from stdin (marshal): the program, its cases and their limits."""
+        lim = self._limits
+        return marshal.dumps(
+            {
+                "nonce": nonce,
+                "code": code,
+                "tests": list(cases),
+                "timeouts": list(limits_s),
+                "code_s": lim.code_s,
+                "cpu_s": float(lim.cpu_s),
+                "stop_on_failure": bool(stop_on_failure),
+                "detail_chars": _DETAIL_CHARS,
+            }
+        )
 
     def _check_args(
         self, code: str, tests: Sequence[str] | str, timeouts_s: Sequence[float] | float | None
@@ -681,38 +687,16 @@ class Sandbox:
                 now = time.monotonic()
                 deadline = st.deadline()
                 if now >= deadline:
-                    why = "wall" if now >= st.t0 + lim.wall_s else "phase"
-                    if why == "phase" and st.limit_fn is not None and now < st.phase_deadline:
-                        why = "limit"  # a live limit that tightened while the case ran
-                    st.kill_reason = st.kill_reason or why
+                    st.kill_reason = st.kill_reason or _deadline_reason(st, now)
                     break
                 wait_s = deadline - now if st.limit_fn is None else min(deadline - now, _LIVE_POLL_S)
                 for key, _ in sel.select(timeout=wait_s):
                     fd = int(key.fd)
                     if fd == stdin_fd:
-                        try:
-                            n = os.write(fd, view[:65536])
-                        except BlockingIOError:
-                            continue
-                        except OSError:  # the jail is gone; its outcome says why
-                            n = len(view)
-                        view = view[n:]
-                        if not len(view):
-                            sel.unregister(fd)
-                            proc.stdin.close()
-                        continue
-                    data = os.read(fd, 65536)
-                    if not data:
+                        view = _feed(fd, view, sel, proc.stdin)
+                    elif not _drain(fd, sinks[fd], st, fd == results_r):
                         sel.unregister(fd)
                         open_reads -= 1
-                        continue
-                    buf, cap, name = sinks[fd]
-                    room = cap - len(buf)
-                    buf += data[: max(room, 0)]
-                    if fd == results_r:
-                        st.parse_results()
-                    if len(data) > room and name:
-                        st.kill_reason = st.kill_reason or name
                 if st.kill_reason:
                     break
         finally:
@@ -745,12 +729,7 @@ class Sandbox:
 
         skipped = [TestOutcome(i, SandboxStatus.SKIPPED, 0.0, t) for i, t in enumerate(limits_s)]
         if st.ready_at is None:
-            log = _log_errors(st.log)
-            if st.kill_reason == "wall":
-                why = f"the jail did not start within the wall limit ({lim.wall_s:g} s)"
-            else:
-                why = f"nsjail could not start the jail (exit code {returncode})"
-            return result(SandboxStatus.ERROR, skipped, f"{why}: {log or 'no log'}; {START_HINT}")
+            return result(SandboxStatus.ERROR, skipped, self._start_failure(st, returncode))
         child = st.child
         mine = [r for r in st.records if r.get("pid") in (1, child)] if child is not None else []
         ends = {r["i"]: r for r in mine if r.get("ev") == "end" and isinstance(r.get("i"), int)}
@@ -759,33 +738,7 @@ class Sandbox:
         done = any(r.get("ev") == "done" for r in mine)
         running = next((i for i in reversed(started) if i not in ends), None)
 
-        # How the run ended for the part that was running when it ended.
-        if st.kill_reason == "wall":
-            end_status = SandboxStatus.TIMEOUT
-            end_why = f"still running at the run's wall limit ({lim.wall_s:g} s): killed"
-        elif st.kill_reason == "limit":
-            end_status = SandboxStatus.TIMEOUT
-            i = running if running is not None else 0
-            end_why = f"ran past its limit, tightened to {st.live_limit_s(i):.2f} s while it ran: killed"
-        elif st.kill_reason == "phase":
-            end_status = SandboxStatus.TIMEOUT
-            end_why = f"still running {_GRACE_S:g} s past its limit (it ignored the timer): killed"
-        elif st.kill_reason in ("stdout", "stderr"):
-            end_status = SandboxStatus.FAILED
-            end_why = f"printed more than {lim.output_bytes} bytes to {st.kill_reason}: killed"
-        elif st.kill_reason == "results":
-            end_status = SandboxStatus.FAILED
-            end_why = "flooded the sandbox's results pipe: killed"
-        elif exit_rec is not None and "signal" in exit_rec:
-            sig = _signame(exit_rec["signal"])
-            if exit_rec["signal"] == signal.SIGXCPU:
-                end_status, end_why = SandboxStatus.TIMEOUT, f"CPU time limit ({lim.cpu_s:g} s): {sig}"
-            else:
-                end_status, end_why = SandboxStatus.FAILED, f"killed by {sig}"
-        elif exit_rec is not None:
-            end_status, end_why = SandboxStatus.FAILED, f"the process exited with code {exit_rec.get('code')}"
-        else:
-            end_status, end_why = SandboxStatus.FAILED, "the jail ended without a report"
+        end_status, end_why = self._how_it_ended(st, exit_rec, running)
 
         def outcome(i: int) -> TestOutcome:
             t = limits_s[i] if i >= 0 else lim.code_s
@@ -804,30 +757,120 @@ class Sandbox:
         outcomes = [outcome(i) for i in range(len(cases))]
         if st.kill_reason in ("stdout", "stderr", "results") and running is None:
             code_out = TestOutcome(-1, end_status, code_out.exec_s, lim.code_s, end_why)
-        statuses = [code_out.status] + [o.status for o in outcomes]
-        n_pass = sum(o.status is SandboxStatus.PASSED for o in outcomes)
-        if SandboxStatus.TIMEOUT in statuses:
-            status = SandboxStatus.TIMEOUT
-        elif SandboxStatus.FAILED in statuses or not done or n_pass < len(cases):
-            status = SandboxStatus.FAILED
-        else:
-            status = SandboxStatus.PASSED
-        if status is SandboxStatus.PASSED:
-            detail = f"{len(cases)} of {len(cases)} test cases passed"
-        elif code_out.status is not SandboxStatus.PASSED:
-            what = "ran past its limit" if code_out.status is SandboxStatus.TIMEOUT else "failed"
-            detail = f"the program itself {what} before the tests: {code_out.detail or end_why}"
-        else:
-            bad = next(
-                (o for o in outcomes if o.status in (SandboxStatus.FAILED, SandboxStatus.TIMEOUT)), None
-            )
-            if bad is not None:
-                detail = f"test case {bad.index} {bad.status.value}: {bad.detail}"
-            else:
-                detail = (
-                    f"{n_pass} of {len(cases)} test cases passed, then the harness did not finish: {end_why}"
-                )
+        status, detail = _overall(code_out, outcomes, done, end_why)
         return result(status, outcomes, detail, code_out.exec_s)
+
+    def _start_failure(self, st: _Run, returncode: int | None) -> str:
+        """The detail of a run whose jail never became ready (``ERROR``)."""
+        log = _log_errors(st.log)
+        if st.kill_reason == "wall":
+            why = f"the jail did not start within the wall limit ({self._limits.wall_s:g} s)"
+        else:
+            why = f"nsjail could not start the jail (exit code {returncode})"
+        return f"{why}: {log or 'no log'}; {START_HINT}"
+
+    def _how_it_ended(
+        self, st: _Run, exit_rec: dict[str, Any] | None, running: int | None
+    ) -> tuple[SandboxStatus, str]:
+        """How the run ended for the part that was running when it ended: its status and why."""
+        lim = self._limits
+        if st.kill_reason == "wall":
+            return SandboxStatus.TIMEOUT, f"still running at the run's wall limit ({lim.wall_s:g} s): killed"
+        if st.kill_reason == "limit":
+            i = running if running is not None else 0
+            why = f"ran past its limit, tightened to {st.live_limit_s(i):.2f} s while it ran: killed"
+            return SandboxStatus.TIMEOUT, why
+        if st.kill_reason == "phase":
+            why = f"still running {_GRACE_S:g} s past its limit (it ignored the timer): killed"
+            return SandboxStatus.TIMEOUT, why
+        if st.kill_reason in ("stdout", "stderr"):
+            why = f"printed more than {lim.output_bytes} bytes to {st.kill_reason}: killed"
+            return SandboxStatus.FAILED, why
+        if st.kill_reason == "results":
+            return SandboxStatus.FAILED, "flooded the sandbox's results pipe: killed"
+        if exit_rec is not None and "signal" in exit_rec:
+            sig = _signame(exit_rec["signal"])
+            if exit_rec["signal"] == signal.SIGXCPU:
+                return SandboxStatus.TIMEOUT, f"CPU time limit ({lim.cpu_s:g} s): {sig}"
+            return SandboxStatus.FAILED, f"killed by {sig}"
+        if exit_rec is not None:
+            return SandboxStatus.FAILED, f"the process exited with code {exit_rec.get('code')}"
+        return SandboxStatus.FAILED, "the jail ended without a report"
+
+
+def _overall(
+    code_out: TestOutcome, outcomes: list[TestOutcome], done: bool, end_why: str
+) -> tuple[SandboxStatus, str]:
+    """The run's status and one-line detail from the program's and the cases' outcomes."""
+    n_cases = len(outcomes)
+    statuses = [code_out.status] + [o.status for o in outcomes]
+    n_pass = sum(o.status is SandboxStatus.PASSED for o in outcomes)
+    if SandboxStatus.TIMEOUT in statuses:
+        status = SandboxStatus.TIMEOUT
+    elif SandboxStatus.FAILED in statuses or not done or n_pass < n_cases:
+        status = SandboxStatus.FAILED
+    else:
+        status = SandboxStatus.PASSED
+    if status is SandboxStatus.PASSED:
+        return status, f"{n_cases} of {n_cases} test cases passed"
+    if code_out.status is not SandboxStatus.PASSED:
+        what = "ran past its limit" if code_out.status is SandboxStatus.TIMEOUT else "failed"
+        return status, f"the program itself {what} before the tests: {code_out.detail or end_why}"
+    bad = next((o for o in outcomes if o.status in (SandboxStatus.FAILED, SandboxStatus.TIMEOUT)), None)
+    if bad is not None:
+        return status, f"test case {bad.index} {bad.status.value}: {bad.detail}"
+    return status, f"{n_pass} of {n_cases} test cases passed, then the harness did not finish: {end_why}"
+
+
+def _deadline_reason(st: _Run, now: float) -> str:
+    """Why a run that reached its deadline is killed: ``wall``, ``phase`` or ``limit``."""
+    why = "wall" if now >= st.t0 + st.limits.wall_s else "phase"
+    if why == "phase" and st.limit_fn is not None and now < st.phase_deadline:
+        why = "limit"  # a live limit that tightened while the case ran
+    return why
+
+
+def _feed(fd: int, view: memoryview, sel: selectors.BaseSelector, stdin: IO[bytes]) -> memoryview:
+    """Write the next chunk of the payload to the jail's stdin; what is left of it. Closes stdin
+    (and stops watching it) once all is written."""
+    try:
+        n = os.write(fd, view[:65536])
+    except BlockingIOError:
+        return view
+    except OSError:  # the jail is gone; its outcome says why
+        n = len(view)
+    view = view[n:]
+    if not len(view):
+        sel.unregister(fd)
+        stdin.close()
+    return view
+
+
+def _drain(fd: int, sink: tuple[bytearray, int, str], st: _Run, is_results: bool) -> bool:
+    """Read what ``fd`` has into its capped buffer; False at end of file. A named sink read past
+    its cap sets the run's kill reason; the results pipe is parsed as it comes."""
+    data = os.read(fd, 65536)
+    if not data:
+        return False
+    buf, cap, name = sink
+    room = cap - len(buf)
+    buf += data[: max(room, 0)]
+    if is_results:
+        st.parse_results()
+    if len(data) > room and name:
+        st.kill_reason = st.kill_reason or name
+    return True
+
+
+def _release(proc: subprocess.Popen[bytes] | None, st: _Run, results_r: int, log_r: int) -> None:
+    """End of a run: reap the jail (killing it when the run was killed), close every pipe."""
+    if proc is not None:
+        _reap(proc, kill=bool(st.kill_reason))
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+    os.close(results_r)
+    os.close(log_r)
 
 
 _EVENTS = frozenset({"ready", "spawned", "start", "end", "done", "exit"})

@@ -47,6 +47,87 @@ class RoundRun:
     engine_tokens: int  # tokens the engine reported, counted independently of the result
 
 
+@dataclass
+class _RoundDriver:
+    """The mutable state of one ``run_round`` call and the steps that act on it."""
+
+    engine: RolloutEngine
+    rnd: Round
+    policy_version: int
+    on_group: Callable[[Group], None] | None
+    on_response: Callable[[Completion], None] | None
+    live: dict[str, _Live] = field(default_factory=dict)
+    steps: list[EngineStepStats] = field(default_factory=list)
+    engine_tokens: int = 0
+    completed: int = 0
+
+    def apply(self, actions: Actions) -> None:
+        """Submit and abort what ``actions`` asks; feed each abort back to the round at once."""
+        pending = [actions]
+        while pending:
+            act = pending.pop()
+            for req in act.submit:
+                if req.request_id in self.live:
+                    raise EngineError(f"request {req.request_id!r} submitted twice in one round")
+                self.engine.add_request(req)
+                self.live[req.request_id] = _Live(req)
+            to_abort = [rid for rid in act.abort if rid in self.live]
+            if to_abort:
+                self.engine.abort(to_abort)
+                for rid in to_abort:
+                    st = self.live.pop(rid)
+                    done = _completion(st, FinishReason.ABORT, self.policy_version, self.engine.now())
+                    pending.append(self.rnd.observe(done))
+
+    def hand_out(self) -> None:
+        """Pass the groups the round has made final to ``on_group``."""
+        if self.on_group is not None:
+            for g in self.rnd.take_completed():
+                self.on_group(g)
+
+    def check_can_step(self, max_engine_steps: int) -> None:
+        """Raise if the round cannot make progress: the engine is dry or the step limit is hit."""
+        if not self.engine.has_unfinished():
+            raise EngineError(
+                f"step {self.rnd.plan.step}: the engine ran dry with the round unfinished "
+                f"({len(self.live)} requests unaccounted for)"
+            )
+        if len(self.steps) >= max_engine_steps:
+            raise EngineError(f"step {self.rnd.plan.step}: gave up after {max_engine_steps} engine steps")
+
+    def step(self) -> EngineStepStats:
+        """Run one engine step and feed its updates (and finished responses) back to the round."""
+        updates, stats = self.engine.step()
+        self.steps.append(stats)
+        for u in updates:
+            st = self.live.get(u.request_id)
+            if st is None:
+                continue  # aborted earlier in this loop: the engine may still have reported it
+            st.tokens.extend(u.new_token_ids)
+            st.logprobs.extend(u.new_logprobs)
+            self.engine_tokens += len(u.new_token_ids)
+            if u.finished:
+                del self.live[u.request_id]
+                self.completed += 1
+                reason = u.finish_reason or FinishReason.STOP
+                done = _completion(st, reason, self.policy_version, self.engine.now())
+                if self.on_response is not None:
+                    self.on_response(done)
+                self.apply(self.rnd.observe(done))
+                self.hand_out()
+        return stats
+
+    def abort_leftovers(self) -> None:
+        """A round that is done but left requests running has a policy bug; don't leak them."""
+        if self.live:
+            leftover = sorted(self.live)
+            self.engine.abort(leftover)
+            raise EngineError(
+                f"step {self.rnd.plan.step}: round finished with {len(leftover)} requests still "
+                f"running (first: {leftover[0]!r}); the policy must abort what it does not wait for"
+            )
+
+
 def run_round(
     engine: RolloutEngine,
     rnd: Round,
@@ -63,85 +144,28 @@ def run_round(
     final (rewards start on it at once); ``on_group(group)`` as soon as a group is final (the
     stream trainer starts on it while the rest of the round runs).
     """
-    live: dict[str, _Live] = {}
-    steps: list[EngineStepStats] = []
-    engine_tokens = 0
-    completed = 0
     preempt0 = engine.num_preemptions()
     t0 = engine.now()
-
-    def apply(actions: Actions) -> None:
-        pending = [actions]
-        while pending:
-            act = pending.pop()
-            for req in act.submit:
-                if req.request_id in live:
-                    raise EngineError(f"request {req.request_id!r} submitted twice in one round")
-                engine.add_request(req)
-                live[req.request_id] = _Live(req)
-            to_abort = [rid for rid in act.abort if rid in live]
-            if to_abort:
-                engine.abort(to_abort)
-                for rid in to_abort:
-                    st = live.pop(rid)
-                    pending.append(
-                        rnd.observe(_completion(st, FinishReason.ABORT, policy_version, engine.now()))
-                    )
-
-    def hand_out() -> None:
-        if on_group is not None:
-            for g in rnd.take_completed():
-                on_group(g)
-
-    apply(rnd.start())
-    hand_out()  # groups complete from a policy's cache are final before any engine step
+    drv = _RoundDriver(engine, rnd, policy_version, on_group, on_response)
+    drv.apply(rnd.start())
+    drv.hand_out()  # groups complete from a policy's cache are final before any engine step
     while not rnd.done:
-        if not engine.has_unfinished():
-            raise EngineError(
-                f"step {rnd.plan.step}: the engine ran dry with the round unfinished "
-                f"({len(live)} requests unaccounted for)"
-            )
-        if len(steps) >= max_engine_steps:
-            raise EngineError(f"step {rnd.plan.step}: gave up after {max_engine_steps} engine steps")
-        updates, stats = engine.step()
-        steps.append(stats)
-        for u in updates:
-            st = live.get(u.request_id)
-            if st is None:
-                continue  # aborted earlier in this loop: the engine may still have reported it
-            st.tokens.extend(u.new_token_ids)
-            st.logprobs.extend(u.new_logprobs)
-            engine_tokens += len(u.new_token_ids)
-            if u.finished:
-                del live[u.request_id]
-                completed += 1
-                reason = u.finish_reason or FinishReason.STOP
-                done = _completion(st, reason, policy_version, engine.now())
-                if on_response is not None:
-                    on_response(done)
-                apply(rnd.observe(done))
-                hand_out()
+        drv.check_can_step(max_engine_steps)
+        stats = drv.step()
         if on_step is not None:
-            on_step(stats, completed)
-    if live:
-        # A round that is done but left requests running has a policy bug; don't leak them.
-        leftover = sorted(live)
-        engine.abort(leftover)
-        raise EngineError(
-            f"step {rnd.plan.step}: round finished with {len(leftover)} requests still running "
-            f"(first: {leftover[0]!r}); the policy must abort what it does not wait for"
-        )
+            on_step(stats, drv.completed)
+    drv.abort_leftovers()
     elapsed = engine.now() - t0
     result = rnd.result()
     metrics = rollout_metrics(
         result,
-        steps,
+        drv.steps,
         time_s=elapsed,
         concurrency=engine.concurrency,
         preemptions=engine.num_preemptions() - preempt0,
         train_version=policy_version,
     )
-    return RoundRun(result=result, metrics=metrics, steps=tuple(steps), engine_tokens=engine_tokens)
+    return RoundRun(result=result, metrics=metrics, steps=tuple(drv.steps), engine_tokens=drv.engine_tokens)
 
 
 def sample_requests(

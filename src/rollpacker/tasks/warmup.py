@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rollpacker.tasks import synthetic_code, synthetic_math
 from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir, publish_dir
@@ -111,22 +112,7 @@ def _train(
     model = Qwen2ForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     model.train()
     eos = int(tok.eos_token_id)
-    math_data = (
-        [
-            (encode(tok, ex.prompt), [*encode(tok, synthetic_math.reference_solution(ex)), eos])
-            for ex in synthetic_math.generate(spec.task, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
-        ]
-        if spec.code_fraction < 1.0
-        else []
-    )
-    code_data = (
-        [
-            (encode(tok, ex.prompt), [*encode(tok, synthetic_code.reference_solution(ex)), eos])
-            for ex in synthetic_code.generate(spec.code, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
-        ]
-        if spec.code_fraction > 0.0
-        else []
-    )
+    math_data, code_data = _warmup_data(spec, tok, eos)
     rng = random.Random(f"warmup:{spec.seed}")
 
     def draw() -> tuple[list[int], list[int]]:
@@ -143,29 +129,61 @@ def _train(
     loss_v = float("nan")
     for step in range(spec.steps):
         batch = [draw() for _ in range(spec.batch_size)]
-        n_tokens = sum(len(r) for _, r in batch)
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for mb in _micro_batches(batch, spec.tokens_per_micro_batch):
-            ids, labels, attn = _pad(mb, eos)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]),
-                labels[:, 1:].reshape(-1),
-                reduction="sum",
-                ignore_index=-100,
-            )
-            (nll / n_tokens).backward()
-            total += float(nll.detach())
+        loss_v = _backward(model, batch, spec.tokens_per_micro_batch, eos)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        loss_v = total / n_tokens
         if progress is not None:
             progress(step, loss_v)
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     return {"final_loss": loss_v, "train_s": time.perf_counter() - t0}
+
+
+def _warmup_data(
+    spec: WarmupSpec, tok: object, eos: int
+) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
+    """The (prompt ids, response ids + eos) pairs of the math and the code warm-up problems (a
+    task's list is empty when ``code_fraction`` leaves it out)."""
+    math_data = (
+        [
+            (encode(tok, ex.prompt), [*encode(tok, synthetic_math.reference_solution(ex)), eos])
+            for ex in synthetic_math.generate(spec.task, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
+        ]
+        if spec.code_fraction < 1.0
+        else []
+    )
+    code_data = (
+        [
+            (encode(tok, ex.prompt), [*encode(tok, synthetic_code.reference_solution(ex)), eos])
+            for ex in synthetic_code.generate(spec.code, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
+        ]
+        if spec.code_fraction > 0.0
+        else []
+    )
+    return math_data, code_data
+
+
+def _backward(model: Any, batch: Sequence[tuple[list[int], list[int]]], budget: int, eos: int) -> float:
+    """Accumulate the gradient of the batch's mean response-token NLL, micro-batch by micro-batch
+    (``budget`` padded tokens each); the loss."""
+    import torch
+
+    n_tokens = sum(len(r) for _, r in batch)
+    total = 0.0
+    for mb in _micro_batches(batch, budget):
+        ids, labels, attn = _pad(mb, eos)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            reduction="sum",
+            ignore_index=-100,
+        )
+        (nll / n_tokens).backward()
+        total += float(nll.detach())
+    return total / n_tokens
 
 
 def _micro_batches(

@@ -1,0 +1,73 @@
+"""The state after a step (stages.successor) from the stages' reports, on a real filesystem store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rollpacker.core.config import config_from_text
+from rollpacker.core.policies.buffered import BufferEntry, buffer_to_json
+from rollpacker.core.prompts import CursorState
+from rollpacker.core.state import ControllerState
+from rollpacker.services.api import DrainReport, RoundReport, TrainReport
+from rollpacker.stages.context import StageContext
+from rollpacker.stages.successor import step_metrics, successor
+from rollpacker.store.local import FileStore
+from rollpacker.store.state_store import StateStore
+
+
+def _ctx(tmp_path) -> StageContext:
+    text = f'experiment: e\narms: [tail_batching]\nstore: {{endpoint: "file://{tmp_path}"}}\n'
+    cfg = config_from_text(text).for_arm("tail_batching")
+    store = FileStore(tmp_path)
+    return StageContext(text, "tail_batching", cfg, store, StateStore(store, "e", "tail_batching"), None)  # type: ignore[arg-type]
+
+
+def _round(buffer_uri: str = "") -> RoundReport:
+    return RoundReport(
+        step=0,
+        attempt="a",
+        round_kind="short",
+        trained=("p1", "p2"),
+        deferred=("p3",),
+        from_queue=(),
+        groups_by_role={"reward": ("p1", "p2")},
+        lengths=(4, 9, 5, 6),
+        longest=(("p1", 9), ("p2", 6)),
+        next_cursor=CursorState(7, 0, 3),
+        next_queue=("p3",),
+        next_buffer_uri=buffer_uri,
+        metrics={"rollout/preemptions": 2.0, "rollout/time_s": 1.0},
+    )
+
+
+def test_the_successor_carries_every_report_into_the_state(tmp_path) -> None:
+    ctx = _ctx(tmp_path)
+    state = ControllerState("e", "tail_batching", -1, 7, 0, 0, timeout_anchors=(("old", 1.0),))
+    entry = BufferEntry("p9", 0)
+    uri = ctx.store.put_bytes("e/tail_batching/buffers/b.json", buffer_to_json([entry]).encode())
+    drain = DrainReport("reward", 0.1, 2, samples=4, reward_sum=3.0, timeout_anchors=(("case", 0.5),))
+    train = TrainReport("file:///ck/", 1, 4, "", {"train/loss": 0.1})
+    new = successor(ctx, state, _round(uri), drain, train, "", 0.3)
+    assert (new.step, new.cursor_seed, new.cursor_position, new.long_queue) == (0, 7, 3, ("p3",))
+    assert new.timeout_anchors == (("case", 0.5),)  # the sandbox's anchors after the step
+    assert new.partial_cache == (entry,)
+    assert new.tp_plan.round_kinds == ("short",) and new.tp_plan.preemption_history == (2,)
+    assert dict(new.length_history) == {"p1": 9, "p2": 6}
+    assert (new.checkpoint_uri, new.policy_version, new.trained_samples, new.trained_prompts) == (
+        "file:///ck/",
+        1,
+        4,
+        2,
+    )
+    assert new.profile_drift == 0.3
+    kept = successor(ctx, state, _round(), None, train, "", 0.0)  # no reward drain: anchors kept
+    assert kept.timeout_anchors == (("old", 1.0),) and kept.partial_cache == ()
+
+
+def test_step_metrics_merge_the_reports() -> None:
+    rw = DrainReport("reward", 0.5, 2, samples=4, reward_sum=3.0, metrics={"reward/tail_s": 0.2})
+    jd = DrainReport("judge", 0.25, 1, samples=4, reward_sum=1.0, metrics={"judge/tail_s": 0.7})
+    m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
+    assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
+    assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0
+    assert dataclasses.asdict(rw)["role"] == "reward"
