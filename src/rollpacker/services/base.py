@@ -40,7 +40,11 @@ class Service:
         return self._digest
 
     def bind(self, peers: Peers) -> None:
-        self._peers = peers
+        """The first binding stays: every stage process that reaches a Ray actor binds it again,
+        and replacing its peers would drop their cached handles (a cascade of lookups and binds
+        among the actors at every stage)."""
+        if self._peers is None:
+            self._peers = peers
 
     @property
     def peers(self) -> Peers:
