@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -277,15 +278,16 @@ def train_arm(
     cfg = config_from_text(text)
     (arm,) = cfg.arm_names
     say = say or (lambda s: print(s, file=sys.stderr, flush=True))
-    states = StateStore(open_store(cfg.store), cfg.experiment, arm)
-    open_store(cfg.store).check()
+    store = open_store(cfg.store)
+    store.check()
+    states = StateStore(store, cfg.experiment, arm)
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     if fresh:
         reset_arms(cfg, [arm], say)
     elif states.latest() is not None and not resume:
         raise ConfigError(
             f"arm {arm!r} of experiment {cfg.experiment!r} already has committed steps in "
-            f"{states.store.uri(states.prefix)}: pass --resume to continue it or --fresh to "
+            f"{store.uri(states.prefix)}: pass --resume to continue it or --fresh to "
             "start it over"
         )
     t0 = time.perf_counter()
@@ -337,8 +339,6 @@ def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: f
 def exactly_once(states: StateStore) -> ExactlyOnce:
     """Every prompt trained at most once, and every deferred prompt trained later or still waiting
     (long-prompt queue or rollout buffer) in the last committed state."""
-    from collections import Counter
-
     last = states.latest()
     if last is None:
         return ExactlyOnce(0, (), 0, (), 0)

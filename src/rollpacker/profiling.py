@@ -112,17 +112,18 @@ def planner_benchmark(
     layouts' engines), then fixed layouts vs the per-step plan vs PAT switching on the trace."""
     if profile is not None and not profile.is_file():
         raise ConfigError(f"--profile {profile}: no such file; write one with `rollpacker profile`")
-    need_pool = profile is None or bench.real_steps > 0
-    pool = layout_pool(cfg, "", progress) if need_pool else None
+    pool = layout_pool(cfg, "", progress) if profile is None or bench.real_steps > 0 else None
     try:
-        if pool is not None and profile is None:
+        if profile is None:
+            if pool is None:
+                raise RollpackerError("no engines to profile")
             spec = ProfileSpec.for_planner(cfg.planner, pool.layouts, cfg.engine.max_num_seqs, cfg.seed)
             doc = profile_and_check(
                 pool, spec, held_out(cfg, pool.cfg.model_dir, 64), cfg.rollout.max_tokens, progress=progress
             )
             table = ProfileTable.from_dict(doc["table"], "profile")
         else:
-            doc = json.loads(Path(str(profile)).read_text())
+            doc = json.loads(profile.read_text())
             table = ProfileTable.from_dict(doc.get("table", doc), str(profile))
         return run_planner_bench(table, records, bench, source, real_pool=pool, progress=progress)
     finally:

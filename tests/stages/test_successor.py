@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from rollpacker.core.config import config_from_text
 from rollpacker.core.policies.buffered import BufferEntry, buffer_to_json
 from rollpacker.core.prompts import CursorState
@@ -70,4 +68,3 @@ def test_step_metrics_merge_the_reports() -> None:
     m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
     assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
     assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0
-    assert dataclasses.asdict(rw)["role"] == "reward"

@@ -9,6 +9,7 @@ registry itself, unpickled there, so a service never imports the registry.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -23,17 +24,20 @@ class ServiceError(RollpackerError):
     """A service could not be reached, created, or failed a call."""
 
 
+def config_digest(config_text: str) -> str:
+    """What a service was built from: a running service with another digest is rebuilt."""
+    return hashlib.sha256(config_text.encode()).hexdigest()[:16]
+
+
 class Service:
     """The base of the Ray actors (and their in-process twins)."""
 
     def __init__(self, config_text: str, arm: str, role: str) -> None:
-        import hashlib
-
         self.config_text = config_text
         self.arm = arm
         self.role = role
         self.cfg = arm_config(config_text, arm)
-        self._digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+        self._digest = config_digest(config_text)
         self._peers: Peers | None = None
 
     def config_digest(self) -> str:

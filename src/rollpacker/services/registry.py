@@ -21,7 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 from collections.abc import Callable
@@ -53,7 +52,7 @@ from rollpacker.services.api import (
     TrainReport,
     Validation,
 )
-from rollpacker.services.base import Service, ServiceError
+from rollpacker.services.base import Service, ServiceError, config_digest
 from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.trainer import TrainerService
@@ -75,10 +74,6 @@ ROLE_RESOURCE = {
     "reward": "rollpacker_sandbox",
     "judge": "rollpacker_judge",
 }
-
-
-def config_digest(config_text: str) -> str:
-    return hashlib.sha256(config_text.encode()).hexdigest()[:16]
 
 
 # -- handles: one service, reached in this process or in a Ray actor -----------------------------

@@ -270,14 +270,13 @@ class RolloutService(Service, RolloutAPI):
                 self._drain_engine()
                 raise
             policy.commit(run.result)  # this attempt's policy object only: the next state's cursor/queue
-            return self._report(step, attempt, policy, plan.from_queue, run, kinds, layout_metrics)
+            return self._report(step, attempt, policy, run, kinds, layout_metrics)
 
     def _report(
         self,
         step: int,
         attempt: str,
         policy: RolloutPolicy,
-        from_queue: Sequence[str],
         run: Any,
         kinds: dict[str, RewardKind],
         layout_metrics: dict[str, float],
@@ -291,7 +290,7 @@ class RolloutService(Service, RolloutAPI):
             round_kind=result.plan.round_kind.value,
             trained=tuple(g.prompt.prompt_id for g in result.groups),
             deferred=tuple(p.prompt_id for p in result.deferred),
-            from_queue=tuple(from_queue),
+            from_queue=tuple(result.plan.from_queue),
             groups_by_role=_count_roles(result.groups, kinds),
             lengths=tuple(c.num_tokens for g in result.groups for c in g.responses),
             longest=tuple(

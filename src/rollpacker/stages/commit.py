@@ -33,10 +33,11 @@ def commit(
 ) -> CommitOutput:
     if plan.skip or ro.round is None or tr.report is None:
         return CommitOutput(plan.step, plan.attempt, skipped=True)
-    done = _already_committed(ctx, plan)
+    latest = ctx.states.latest()
+    done = _already_committed(ctx, plan, latest)
     if done is not None:
         return done
-    state = ctx.state_for(plan)
+    state = ctx.state_for(plan, latest)
     r, step = ro.round, plan.step
     prof_key = ctx.profile_key(plan.attempt)
     prof = ctx.store.uri(prof_key) if ctx.store.exists(prof_key) else ""
@@ -61,9 +62,10 @@ def commit(
     return CommitOutput(step, plan.attempt, False, record.state_uri, r.round_kind, metrics)
 
 
-def _already_committed(ctx: StageContext, plan: StepPlan) -> CommitOutput | None:
+def _already_committed(
+    ctx: StageContext, plan: StepPlan, latest: ControllerState | None
+) -> CommitOutput | None:
     """This very commit ran before and died after moving the pointer: what it committed."""
-    latest = ctx.states.latest()
     if latest is None or latest.step != plan.step:
         return None
     rec = CommitRecord.from_json(ctx.states.get_blob(plan.step, "commit.json").decode())

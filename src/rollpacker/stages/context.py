@@ -49,9 +49,10 @@ class StageContext:
             self._tracker = ExperimentTracker(self.cfg.tracking_uri, self.cfg.experiment)
         return self._tracker
 
-    def state_for(self, plan: StepPlan) -> ControllerState:
-        """The committed state ``plan`` was made from; refuses a stale plan."""
-        latest = self.states.latest()
+    def state_for(self, plan: StepPlan, latest: ControllerState | None = None) -> ControllerState:
+        """The committed state ``plan`` was made from (``latest``: the committed state, if the
+        caller has just read it); refuses a stale plan."""
+        latest = latest if latest is not None else self.states.latest()
         if latest is None or latest.step != plan.state_step:
             raise StateError(
                 f"step {plan.step} (attempt {plan.attempt}) was planned from state step "

@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -36,17 +37,19 @@ def plan(ctx: StageContext) -> StepPlan:
         repair_tracking(ctx, state)
     step = state.next_step
     attempt = uuid.uuid4().hex[:12]
-    base = dict(
+    skipped = StepPlan(
         experiment=ctx.cfg.experiment,
         arm=ctx.arm,
         step=step,
         state_step=state.step,
         attempt=attempt,
+        skip=True,
         base_uri=ctx.store.uri(ctx.base_key()),
         run_id=state.mlflow_run_id,
+        timing=clock.timing(),
     )
     if step >= ctx.cfg.steps:
-        return StepPlan(**base, skip=True, timing=clock.timing())  # type: ignore[arg-type]
+        return skipped
     rollout = ctx.services.rollout()
     sync = rollout.sync(state)
     round_plan = rollout.plan(state, step)
@@ -58,8 +61,8 @@ def plan(ctx: StageContext) -> StepPlan:
     if state.step == -1:  # the starting point of the validation curve
         val0 = rollout.validate(0, attempt)
         ctx.tracker.log_step(state.mlflow_run_id, 0, val0.metrics())
-    return StepPlan(
-        **base,  # type: ignore[arg-type]
+    return dataclasses.replace(
+        skipped,
         skip=False,
         need_profile=need_profile,
         reprofile=reprofile,
