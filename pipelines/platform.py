@@ -10,6 +10,9 @@ start checkpoint from it). The names here are the manifests' (``manifests/base``
 checks that the rendered overlays define every one of them.
 
 ``ROLLPACKER_NODE_POOL`` (read at compile time like the images) picks the pool; empty: no selector.
+``ROLLPACKER_IMAGE_PULL_POLICY`` (default ``IfNotPresent``) is every task's image pull policy: a
+task's pod then starts from the node's cached image instead of asking the registry each step (with
+the images pre-pulled on the pool's nodes, docs/pipeline.md "Overhead"); ``Always`` for mutable tags.
 """
 
 from __future__ import annotations
@@ -46,6 +49,17 @@ RESOURCES: dict[str, tuple[str, str, str]] = {
 }
 
 
+PULL_POLICIES = ("IfNotPresent", "Always", "Never")
+
+
+def pull_policy() -> str:
+    """Every task's image pull policy ($ROLLPACKER_IMAGE_PULL_POLICY, default ``IfNotPresent``)."""
+    got = os.environ.get("ROLLPACKER_IMAGE_PULL_POLICY", "IfNotPresent")
+    if got not in PULL_POLICIES:
+        raise ValueError(f"ROLLPACKER_IMAGE_PULL_POLICY = {got!r}: use one of {', '.join(PULL_POLICIES)}")
+    return got
+
+
 def node_pool() -> str:
     """The node pool every task runs in ($ROLLPACKER_NODE_POOL, default ``cpu``; empty: any node)."""
     return os.environ.get("ROLLPACKER_NODE_POOL", DEFAULT_POOL)
@@ -61,6 +75,7 @@ def on_cluster(task, component: str):  # type: ignore[no-untyped-def]
     if pool:
         kubernetes.add_node_selector(task, label_key=POOL_LABEL, label_value=pool)
     kubernetes.add_toleration(task, key=TAINT_KEY, operator="Exists", effect="NoSchedule")
+    kubernetes.set_image_pull_policy(task, pull_policy())
     for secret, keys in SECRET_ENV.items():
         kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=keys)
     kubernetes.use_config_map_as_env(task, config_map_name=CONFIG_MAP, config_map_key_to_env=CONFIG_MAP_ENV)

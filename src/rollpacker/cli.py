@@ -380,6 +380,110 @@ def bench_reward(
     typer.echo(f"wrote {out}")
 
 
+@bench_app.command("reward-tail")
+def bench_reward_tail(
+    config: Annotated[Path, typer.Option(help="A synthetic_code config (sandbox settings, P0, R0).")] = Path(
+        "configs/code.yaml"
+    ),
+    steps: Annotated[int, typer.Option(help="Steps (anchors carry from one to the next).")] = 3,
+    rollout_s: Annotated[float, typer.Option(help="Seconds over which a step's responses arrive.")] = 4.0,
+    doomed_share: Annotated[float, typer.Option(help="Share of responses that never terminate.")] = 0.15,
+    wrong_share: Annotated[float, typer.Option(help="Share of responses that fail the tests.")] = 0.3,
+    slow_share: Annotated[float, typer.Option(help="Share of correct but slow responses.")] = 0.05,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-reward-tail.json"),
+) -> None:
+    """The reward left after rollout (reward/tail_s) against the synchronous reward stage, with and
+    without reference-solution anchors, on the real reward service and sandbox; every cut response
+    is re-run at t_max to count correct ones cut (docs/sandbox.md)."""
+    from rollpacker.bench.reward_tail import render, run_reward_tail_bench
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        report = run_reward_tail_bench(
+            config,
+            steps=steps,
+            rollout_s=rollout_s,
+            doomed_share=doomed_share,
+            wrong_share=wrong_share,
+            slow_share=slow_share,
+            seed=seed,
+            out=out,
+        )
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+
+
+@bench_app.command("scaledown")
+def bench_scaledown(
+    config: Annotated[
+        Path, typer.Option(help="Experiment YAML (the arm runs tail_batching on 2 replicas).")
+    ] = Path("configs/default.yaml"),
+    steps: Annotated[int, typer.Option(help="Steps per arm run.")] = 6,
+    repeats: Annotated[int, typer.Option(help="Runs per arm, in ABBA order (off, on, on, off, ...).")] = 2,
+    out_dir: Annotated[Path, typer.Option(help="Where scaledown.json and scaledown.png go.")] = Path(
+        "build/bench-scaledown"
+    ),
+    tracking_uri: Annotated[
+        str,
+        typer.Option(
+            help="Log the JSON and the plot to a `scaledown-bench` MLflow run here (default: none)."
+        ),
+    ] = "",
+) -> None:
+    """RollPacker's Algorithm 1 at runtime, on and off, on the same tail-batching arm in one run:
+    step, rollout and train seconds and the trainer's devices over each step (docs/parallelism.md)."""
+    from rollpacker.bench.scaledown import render, run_scaledown_bench
+
+    try:
+        tracker = None
+        if tracking_uri:
+            from rollpacker.tracking import ExperimentTracker
+
+            tracker = ExperimentTracker(tracking_uri, "rollpacker-bench")
+        report = run_scaledown_bench(config, steps=steps, out_dir=out_dir, tracker=tracker, repeats=repeats)
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(render(report))
+    typer.echo(f"wrote {out_dir / 'scaledown.json'} and {out_dir / 'scaledown.png'}")
+
+
+@bench_app.command("overhead")
+def bench_overhead(
+    repeats: Annotated[int, typer.Option(help="Fresh processes per piece (the median is reported).")] = 5,
+    tasks: Annotated[int, typer.Option(help="KFP tasks per step (the chain the floor is taken over).")] = 6,
+    ray_address: Annotated[
+        str,
+        typer.Option(
+            help="A running Ray cluster to time joining and leaving (default: $RAY_ADDRESS "
+            "or the local one of `make up`; none: skipped)."
+        ),
+    ] = "",
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-overhead.json"),
+) -> None:
+    """Where a KFP task's seconds go outside the stage's work: process start, the KFP executor,
+    imports, joining and leaving Ray; the per-step floor they imply (docs/pipeline.md, "Overhead")."""
+    import os
+
+    from rollpacker.bench.overhead import main, render
+    from rollpacker.devservices import local_ray_address
+
+    addr = ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
+    try:
+        m = main(out, repeats, tasks, addr)
+    except (RollpackerError, OSError, RuntimeError) as e:
+        _fail(e)
+        return
+    typer.echo(render(m))
+    if not addr:
+        typer.echo("(no Ray cluster found: `make up` starts one; the Ray rows are left out)")
+    typer.echo(f"wrote {out}")
+
+
 @app.command("profile")
 def profile_cmd(
     config: Annotated[Path, typer.Option(help="Experiment YAML: model, engine, planner grid, task.")] = Path(

@@ -56,7 +56,7 @@ def layout_pool(cfg: ExperimentConfig, layouts: str, progress: Callable[[str], N
 def held_out(cfg: ExperimentConfig, model_dir: str, n: int) -> tuple[Prompt, ...]:
     """The first ``n`` validation prompts of the config's task."""
     t = cfg.task
-    return task_data(t.name, t.seed, t.num_examples, t.val_size, model_dir).val_prompts[:n]
+    return task_data(t.name, t.seed, t.num_examples, t.val_size, model_dir, t.shape.items()).val_prompts[:n]
 
 
 def profile_layouts(

@@ -545,6 +545,8 @@ class CompareReport:
         ]
         for k in (*STAGE_KEYS, STEP_KEY):
             rows.append((f"{k} mean", [num(a.stage_mean_s.get(k)) for a in self.arms]))
+        for k in ("rollout/time_s", "pipeline/overhead_s"):
+            rows.append((f"{k} share of step", [num(_share(a, k), "{:.0%}") for a in self.arms]))
         rows += [
             (f"speedup {STEP_KEY}", [num(a.speedup_step, "{:.2f}x") for a in self.arms]),
             ("speedup rollout/time_s", [num(a.speedup_rollout, "{:.2f}x") for a in self.arms]),
@@ -585,6 +587,12 @@ class CompareReport:
             out += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in self._rows()]
         out += [""] + [f"- {n}" for n in self.notes]
         return "\n".join(out) + "\n"
+
+
+def _share(a: ArmSummary, key: str) -> float | None:
+    """Mean ``key`` seconds over mean step seconds (None without both)."""
+    part, step = a.stage_mean_s.get(key), a.stage_mean_s.get(STEP_KEY)
+    return part / step if part is not None and step else None
 
 
 def _experiment_or_fail(client: MlflowClient, tracking_uri: str, experiment: str) -> str:

@@ -66,6 +66,7 @@ def test_every_task_is_placed_resourced_and_given_its_secrets(
         cm = {k["envVar"] for m in cfg["configMapAsEnv"] for k in m["keyToEnv"]}
         assert cm == {"RAY_ADDRESS", "RAY_AUTH_MODE"}
         assert cfg["securityContext"]["runAsNonRoot"] is True
+        assert cfg["imagePullPolicy"] == "IfNotPresent", label  # pods start from the node's image
         mounts = [(p["constant"], p["mountPath"]) for p in cfg.get("pvcMount", [])]
         assert mounts == ([("rollpacker-models", "/models")] if component == "controller" else []), label
 
@@ -77,6 +78,15 @@ def test_node_pool_is_chosen_at_compile_time(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("ROLLPACKER_NODE_POOL", "system")
     execs = _executors(load_docs(compile_pipelines(tmp_path / "sys", 1)[0]))
     assert {cfg["nodeSelector"]["labels"]["rollpacker.io/pool"] for cfg in execs.values()} == {"system"}
+
+
+def test_image_pull_policy_is_chosen_at_compile_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLPACKER_IMAGE_PULL_POLICY", "Always")
+    execs = _executors(load_docs(compile_pipelines(tmp_path / "always", 1)[0]))
+    assert {cfg["imagePullPolicy"] for cfg in execs.values()} == {"Always"}
+    monkeypatch.setenv("ROLLPACKER_IMAGE_PULL_POLICY", "sometimes")
+    with pytest.raises(ValueError, match="ROLLPACKER_IMAGE_PULL_POLICY = 'sometimes'"):
+        compile_pipelines(tmp_path / "bad", 1)
 
 
 def test_unknown_component_is_refused() -> None:

@@ -3,19 +3,23 @@ method has a proxy and an implementation with the same signature."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
+import threading
+import time
 
 import pytest
 
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.serde import MessageError
 from rollpacker.services import api
-from rollpacker.services.registry import RewardProxy, RolloutProxy, TrainerProxy
+from rollpacker.services.registry import RewardProxy, RolloutProxy, TrackingProxy, TrainerProxy
 from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
+from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
-from rollpacker.stages.messages import RolloutOutput, StepPlan, Timing, TrainOutput
+from rollpacker.stages.messages import RolloutOutput, RoundStart, StepPlan, Timing, TrainOutput
 
 
 def _rollout() -> RolloutOutput:
@@ -46,6 +50,9 @@ def test_stage_messages_round_trip() -> None:
     assert TrainOutput.from_json(tr.to_json()) == tr
     plan = StepPlan("e", "a", 0, -1, "x", True, "s3://b/base/", "run", Timing(0.1, 1.0, 1.1))
     assert StepPlan.from_json(plan.to_json()) == plan
+    started = RoundStart(api.TrainerBegin(0.2, True, 0), {"reward": api.RewardBegin(0.1, ("math",))})
+    plan = dataclasses.replace(plan, skip=False, started=started)
+    assert StepPlan.from_json(plan.to_json()) == plan
 
 
 def test_a_renamed_field_fails_at_the_edge_with_its_path() -> None:
@@ -69,6 +76,7 @@ def test_a_renamed_field_fails_at_the_edge_with_its_path() -> None:
         (api.RolloutAPI, RolloutProxy, RolloutService),
         (api.RewardAPI, RewardProxy, RewardService),
         (api.TrainerAPI, TrainerProxy, TrainerService),
+        (api.TrackingAPI, TrackingProxy, TrackingService),
     ],
 )
 def test_every_protocol_method_has_a_proxy_and_an_implementation(protocol, proxy, service) -> None:
@@ -84,3 +92,46 @@ def test_every_protocol_method_has_a_proxy_and_an_implementation(protocol, proxy
 def _params(fn) -> list[str]:
     # ray.remote(cls) adds a `_ray_trace_ctx` keyword to the class's methods in place
     return [p for p in inspect.signature(fn).parameters if not p.startswith("_ray_")]
+
+
+class _Slow(TrackingService):
+    """A service whose ``state_pointer`` waits for a signal (or fails), to test start/collect."""
+
+    go = threading.Event()
+
+    def state_pointer(self, run_id: str) -> tuple[str, int] | None:
+        self.go.wait(5)
+        if run_id == "bad":
+            raise ValueError("no such run")
+        return (f"s3://b/{run_id}", 3)
+
+
+def test_a_started_call_runs_ahead_and_is_collected_once_with_its_span() -> None:
+    from rollpacker.services.base import ServiceError
+
+    svc = _Slow("experiment: x\n", "sync")
+    _Slow.go.clear()
+    t0 = time.time()
+    svc.start("k", "state_pointer", ("r1",))
+    svc.start("k", "state_pointer", ("other",))  # a second start of a key is a no-op
+    assert time.time() - t0 < 1.0  # start does not wait for the call
+    _Slow.go.set()
+    got = svc.collect("k")
+    assert got.value == ("s3://b/r1", 3) and t0 <= got.start_wall <= got.end_wall
+    with pytest.raises(ServiceError, match="nothing was started under 'k'"):
+        svc.collect("k")
+    svc.start("e", "state_pointer", ("bad",))
+    with pytest.raises(ValueError, match="no such run"):  # the call's own error, at the collector
+        svc.collect("e")
+    for i in range(svc.MAX_STARTED + 3):  # uncollected calls are bounded
+        svc.start(f"x{i}", "state_pointer", ("r",))
+    assert len(svc._started) == svc.MAX_STARTED
+
+
+def test_busy_seconds_is_the_union_of_spans() -> None:
+    from rollpacker.stages.commit import busy_seconds
+
+    assert busy_seconds([]) == 0.0
+    assert busy_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(4.0)
+    assert busy_seconds([(0.0, 10.0), (2.0, 3.0)]) == pytest.approx(10.0)  # nested: counted once
+    assert busy_seconds([(4.0, 5.0), (0.0, 1.0)]) == pytest.approx(2.0)

@@ -41,3 +41,60 @@ def test_split_depends_on_seed_and_rejects_bad_input() -> None:
     dup = [TaskExample("a", "p", RewardKind.JUDGE), TaskExample("a", "q", RewardKind.JUDGE)]
     with pytest.raises(ConfigError, match="more than once"):
         split(dup, 0.5, seed=0)
+
+
+def test_long_tail_shape_of_the_embedded_default() -> None:
+    """configs/experiment.yaml's ``task.shape``: P75 an order of magnitude below the longest
+    solution, and the longest near 1.5k tokens (one byte-level token per character)."""
+    from rollpacker.core.config import load_config
+
+    shape = dict(load_config("configs/experiment.yaml").task.shape.items())
+    exs = synthetic_math.generate(SyntheticMathSpec(num_examples=2000, **shape), seed=0)
+    lengths = sorted(len(synthetic_math.reference_solution(e)) + 1 for e in exs)
+    p75, longest = lengths[int(0.75 * (len(lengths) - 1))], lengths[-1]
+    assert 1000 <= longest <= 2000 and longest >= 8 * p75
+    hard = [e for e in exs if synthetic_math.steps(e) >= shape["hard_min_steps"]]
+    assert 0.10 <= len(hard) / len(exs) <= 0.20  # the hard fraction, drawn per prompt
+    # the default spec stays short (the tests' tiny warm-up and short max_tokens rely on it)
+    short = synthetic_math.generate(SyntheticMathSpec(num_examples=2000), seed=0)
+    assert max(len(synthetic_math.reference_solution(e)) for e in short) < 1000
+
+
+def test_task_shape_is_checked_and_reaches_the_loaders() -> None:
+    from rollpacker.core.config import config_from_text
+    from rollpacker.tasks.registry import load_task
+
+    with pytest.raises(ConfigError, match=r"task\.shape\.hard_fraction"):
+        config_from_text("task: {shape: {hard_fraction: 1.5}}")
+    with pytest.raises(ConfigError, match=r"task\.shape\.hard_min_steps"):
+        config_from_text("task: {shape: {max_steps: 20, hard_min_steps: 30}}")
+    cfg = config_from_text(
+        "task: {name: mixed, shape: {hard_fraction: 1.0, hard_min_steps: 40, max_steps: 60}}"
+    )
+    exs = load_task("mixed", seed=0, num_examples=30, shape=cfg.task.shape.items())
+    maths = [e for e in exs if e.metadata.get("task") in ("synthetic_math", "synthetic_judge")]
+    assert len(maths) == 20 and all(40 <= int(e.metadata["steps"]) <= 60 for e in maths)
+    assert load_task("mixed", seed=0, num_examples=30) != exs
+
+
+def test_verbose_solutions_carry_the_step_count_and_end_like_short_ones() -> None:
+    """Verbose lines repeat k/n (a tiny model stops at the right line) and end in ``=y`` like the
+    short ones, so the judge's tail window reads both alike; replaying them gives the answer."""
+    spec = SyntheticMathSpec(num_examples=50, verbose=True)
+    for ex, short in zip(
+        synthetic_math.generate(spec, seed=5),
+        synthetic_math.generate(SyntheticMathSpec(num_examples=50), seed=5),
+        strict=True,
+    ):
+        n, sol = synthetic_math.steps(ex), synthetic_math.reference_solution(ex)
+        lines = sol.splitlines()
+        assert len(lines) == n + 1 and lines[-1] == f"Answer: {ex.reference}"
+        assert all(line.startswith(f"{k}/{n}: ") for k, line in enumerate(lines[:-1], start=1))
+        assert sol[-12:] == synthetic_math.reference_solution(short)[-12:]
+        x = int(ex.metadata["start"])
+        for line in lines[:-1]:  # "k/n: x+a=s, mod 10=y"
+            lhs, y = line.rsplit("=", 1)
+            a = int(line.split("+")[1].split("=")[0])
+            assert int(y) == (x + a) % 10 and lhs.split(": ")[1].startswith(f"{x}+")
+            x = int(y)
+        assert x == int(ex.reference)

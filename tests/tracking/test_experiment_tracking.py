@@ -220,6 +220,9 @@ def test_compare_means_speedup_and_accuracies(uri, request) -> None:
     assert (t.val_accuracy_first, t.val_accuracy_final) == pytest.approx((0.2, 0.75))
     assert t.reward_mean_final == pytest.approx(0.45)
     assert r.notes == []
+    shares = [ln for ln in r.render().splitlines() if "share of step" in ln]
+    assert shares[0].split()[-1] == "40%"  # tail batching: 2.0 s of rollout in a 5.0 s step
+    assert shares[1].split()[-1] == "25%"  # 1.25 s of overhead
     back = json.loads(r.to_json())
     assert back["arms"][1]["speedup_step"] == pytest.approx(2.0)
 

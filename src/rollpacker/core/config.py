@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.planner import PlannerConfig
+from rollpacker.core.scaledown import ScaleDownConfig
 from rollpacker.core.timeout import TimeoutConfig
 
 
@@ -83,6 +84,10 @@ class RolloutConfig:
     # one-off pipeline (RollPacker 6.7): the rollouts of step t are trained at step t+1, while
     # step t+1 rolls out with the weights before that update (one version of staleness)
     one_off: bool = False
+    # RollPacker 4.4, Algorithm 1 at runtime: once 20-50 % of a round's requests completed and the
+    # rest fit on fewer engine replicas, migrate them and hand the freed devices to the stream
+    # trainer until the step ends (needs planner.devices >= 2; docs/parallelism.md)
+    scale_down: ScaleDownConfig = dataclasses.field(default_factory=ScaleDownConfig)
 
     def __post_init__(self) -> None:
         _positive_int("rollout.prompts_per_step (P0)", self.prompts_per_step)
@@ -257,11 +262,47 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class TaskShapeConfig:
+    """How long the synthetic math prompts' solutions are (``synthetic_math``, and the math and
+    judge prompts of ``mixed``): steps log-normal (``median_steps``, ``sigma``), a
+    ``hard_fraction`` log-uniform in ``[hard_min_steps, max_steps]``; ~10 tokens per step. The
+    defaults are short; the embedded default sets a long tail (docs/tasks.md)."""
+
+    median_steps: float = 4.0
+    sigma: float = 1.0
+    max_steps: int = 90
+    hard_fraction: float = 0.0
+    hard_min_steps: int = 1
+    verbose: bool = False  # each step written out in full, "k/n: x+a=s, mod 10=y" (~23 tokens a line)
+
+    def __post_init__(self) -> None:
+        _positive_int("task.shape.max_steps", self.max_steps)
+        _positive_int("task.shape.hard_min_steps", self.hard_min_steps)
+        if not 1 <= self.median_steps <= self.max_steps:
+            raise ConfigError(
+                f"task.shape.median_steps = {self.median_steps}: must be in [1, max_steps = {self.max_steps}]"
+            )
+        if not self.sigma >= 0:
+            raise ConfigError(f"task.shape.sigma = {self.sigma}: must be >= 0")
+        if not 0.0 <= self.hard_fraction <= 1.0:
+            raise ConfigError(f"task.shape.hard_fraction = {self.hard_fraction}: must be in [0, 1]")
+        if self.hard_min_steps > self.max_steps:
+            raise ConfigError(
+                f"task.shape.hard_min_steps = {self.hard_min_steps}: must be <= max_steps = {self.max_steps}"
+            )
+
+    def items(self) -> tuple[tuple[str, float | bool], ...]:
+        """As hashable (name, value) pairs, for the task loaders."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+
+@dataclass(frozen=True)
 class TaskConfig:
     name: str = "synthetic_math"  # synthetic_math | humaneval | path/to/file.jsonl[.gz]
     num_examples: int = 4000  # synthetic tasks only
     val_size: int = 400  # held-out examples (seeded split)
     seed: int = 0
+    shape: TaskShapeConfig = dataclasses.field(default_factory=TaskShapeConfig)
 
     def __post_init__(self) -> None:
         _positive_int("task.num_examples", self.num_examples)
@@ -294,6 +335,9 @@ class SandboxConfig:
     t_max_s: float = 30.0
     memory_mb: int = 512  # address-space limit of the jailed program
     max_procs: int = 32  # processes the program may start
+    # time each example's reference solution (where the task has one) once, as its cases' first
+    # anchors: doomed responses are cut before any correct sibling exists (docs/sandbox.md)
+    reference_anchors: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("reward.sandbox.workers", self.workers)
@@ -552,6 +596,12 @@ class ExperimentConfig:
         if self.rollout.temperature <= 0:
             raise ConfigError(
                 f"rollout.temperature = {self.rollout.temperature!r}: RL needs sampled responses (> 0)"
+            )
+        if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
+            raise ConfigError(
+                "rollout.scale_down.enabled needs engine replicas to free and a stream trainer to give "
+                f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
+                f"train.stream: true (it is {str(self.train.stream).lower()})"
             )
 
 

@@ -48,6 +48,16 @@ Invariants:
 - ``migrate`` names every running request on a freed replica exactly once, always to a kept
   replica, and never a request that already runs on a kept replica;
 - decisions are deterministic: the order of the inputs does not matter, ties break by id.
+
+Acting on a decision (``rollout.scale_down.enabled``; ``rollpacker.engines.layout.ScaleDownRuntime``
+migrates the requests and parks the freed replicas, the trainer service takes their devices until
+the end of the step): this module also holds the pure records of what was done, ``ScaleDownOutcome``
+(the round's ``rollout/...`` metrics) and ``DeviceTimeline`` (the trainer's devices over the step,
+``train/devices``), with their invariants:
+- a timeline's time-weighted mean lies between its smallest and largest device count, and a
+  timeline that never changed has the mean of its initial count;
+- ``held_s`` counts exactly the seconds with at least one device held;
+- an outcome logs ``rollout/scaled_down_at`` (and ``_s``) only when the round scaled down.
 """
 
 from __future__ import annotations
@@ -67,8 +77,13 @@ from rollpacker.core.metrics import percentile
 
 @dataclass(frozen=True)
 class ScaleDownConfig:
-    """Algorithm 1's thresholds (the paper's 20 %, 50 %, 5 %, "half of rollout GPUs")."""
+    """Algorithm 1's thresholds (the paper's 20 %, 50 %, 5 %, "half of rollout GPUs").
 
+    ``enabled`` turns the runtime on (``rollout.scale_down.enabled``: the rollout service acts on
+    the decisions); the replay benchmark only observes them and ignores it.
+    """
+
+    enabled: bool = False  # act on the decisions at runtime (migrate, hand devices to training)
     milestone_low: float = 0.20  # first completed fraction at which scaling is considered
     milestone_high: float = 0.50  # last completed fraction at which scaling is considered
     milestone_step: float = 0.05  # newly completed fraction (Δ_R/|R|) between two attempts
@@ -76,27 +91,31 @@ class ScaleDownConfig:
     kv_safety: float = 1.0  # usable fraction of each replica's KV capacity
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"rollout.scale_down.enabled = {self.enabled!r}: must be true or false")
         for name, v in (
             ("milestone_low", self.milestone_low),
             ("milestone_high", self.milestone_high),
         ):
             if not (_is_number(v) and 0.0 <= v <= 1.0):
-                raise ConfigError(f"scale_down.{name} = {v!r}: must be a number in [0, 1]")
+                raise ConfigError(f"rollout.scale_down.{name} = {v!r}: must be a number in [0, 1]")
         if self.milestone_low > self.milestone_high:
             raise ConfigError(
-                f"scale_down.milestone_low = {self.milestone_low!r} is above "
-                f"scale_down.milestone_high = {self.milestone_high!r}: the window would be empty"
+                f"rollout.scale_down.milestone_low = {self.milestone_low!r} is above "
+                f"rollout.scale_down.milestone_high = {self.milestone_high!r}: the window would be empty"
             )
         if not (_is_number(self.milestone_step) and 0.0 < self.milestone_step <= 1.0):
-            raise ConfigError(f"scale_down.milestone_step = {self.milestone_step!r}: must be in (0, 1]")
+            raise ConfigError(
+                f"rollout.scale_down.milestone_step = {self.milestone_step!r}: must be in (0, 1]"
+            )
         if not (_is_number(self.fraction) and 0.0 < self.fraction < 1.0):
             raise ConfigError(
-                f"scale_down.fraction = {self.fraction!r}: must be in (0, 1) "
+                f"rollout.scale_down.fraction = {self.fraction!r}: must be in (0, 1) "
                 "(at least one rollout replica has to stay; the paper uses 0.5)"
             )
         if not (_is_number(self.kv_safety) and 0.0 < self.kv_safety <= 1.0):
             raise ConfigError(
-                f"scale_down.kv_safety = {self.kv_safety!r}: must be in (0, 1] "
+                f"rollout.scale_down.kv_safety = {self.kv_safety!r}: must be in (0, 1] "
                 "(the usable fraction of each replica's KV capacity)"
             )
 
@@ -606,3 +625,121 @@ class ScaleDownMonitor:
             and completed <= round(c.milestone_high * total, 9)
             and delta >= round(c.milestone_step * total, 9)
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# What the runtime did: the round's outcome and the trainer's devices over the step
+
+
+@dataclass(frozen=True)
+class ScaleDownOutcome:
+    """One round's scale-down at runtime: the monitor's attempts and, if it acted, what moved.
+
+    ``completed_fraction`` is ``|R_comp|/|R|`` at the decision and ``at_s`` the seconds from the
+    round's first engine step to it; ``migrate_s`` is the abort + resubmit time and
+    ``recompute_s`` the time until every migrated request produced its next token on a kept
+    replica (the recomputation-based migration's cost, 0 when it had not happened yet)."""
+
+    attempts: int = 0
+    refused: int = 0  # attempts MeetScaleCriteria refused (projected KV does not fit)
+    aborted_pick: int = 0  # attempts PickScaleDownGPUs aborted (fewer than 2 replicas)
+    scaled_down: bool = False
+    completed_fraction: float = 0.0
+    at_s: float = 0.0
+    freed_replicas: int = 0
+    freed_devices: tuple[str, ...] = ()
+    migrated_requests: int = 0
+    migrated_tokens: int = 0  # context tokens re-prefilled on the kept replicas
+    migrate_s: float = 0.0
+    recompute_s: float = 0.0
+
+    def logged(self) -> dict[str, float]:
+        """The round's ``rollout/...`` metrics (the decision's point only when it scaled down)."""
+        out = {
+            "rollout/scaled_down": float(self.scaled_down),
+            "rollout/scale_down_attempts": float(self.attempts),
+            "rollout/scale_down_refused": float(self.refused),
+            "rollout/replicas_freed": float(self.freed_replicas),
+            "rollout/devices_freed": float(len(self.freed_devices)),
+        }
+        if self.scaled_down:
+            out.update(
+                {
+                    "rollout/scaled_down_at": self.completed_fraction,
+                    "rollout/scaled_down_at_s": self.at_s,
+                    "rollout/scale_down_migrated": float(self.migrated_requests),
+                    "rollout/scale_down_migrated_tokens": float(self.migrated_tokens),
+                    "rollout/scale_down_migrate_s": self.migrate_s + self.recompute_s,
+                }
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class DeviceTimeline:
+    """Devices held over time: ``changes`` are ``(seconds since the start, count)`` change points,
+    in time order; the count before the first change is ``initial``.
+
+    The trainer service keeps one per step (from ``begin`` until its devices are given back):
+    ``mean`` is the step's ``train/devices``, ``series`` the step function for a plot."""
+
+    initial: int = 0
+    changes: tuple[tuple[float, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        _nonneg_int("DeviceTimeline.initial", self.initial)
+        last = 0.0
+        for t, n in self.changes:
+            _nonneg_int("DeviceTimeline count", n)
+            if not (_is_number(t) and t >= last):
+                raise ValueError(f"DeviceTimeline: change at {t!r} s is before {last} s (time order)")
+            last = t
+
+    def at(self, t_s: float, count: int) -> DeviceTimeline:
+        """This timeline with the count set to ``count`` from ``t_s`` on (clamped to the last change)."""
+        last = self.changes[-1][0] if self.changes else 0.0
+        return replace(self, changes=(*self.changes, (max(float(t_s), last), count)))
+
+    def count(self, t_s: float) -> int:
+        """Devices held at ``t_s``."""
+        n = self.initial
+        for t, c in self.changes:
+            if t > t_s:
+                break
+            n = c
+        return n
+
+    def _segments(self, end_s: float) -> list[tuple[float, float, int]]:
+        """``(start, end, count)`` pieces covering ``[0, end_s]``."""
+        out: list[tuple[float, float, int]] = []
+        t0, n = 0.0, self.initial
+        for t, c in self.changes:
+            if t >= end_s:
+                break
+            out.append((t0, t, n))
+            t0, n = t, c
+        out.append((t0, max(t0, end_s), n))
+        return out
+
+    def mean(self, end_s: float) -> float:
+        """The time-weighted mean count over ``[0, end_s]`` (the count at 0 for an empty window)."""
+        if end_s <= 0:
+            return float(self.initial)
+        segs = self._segments(end_s)
+        if len({n for _, _, n in segs}) == 1:
+            return float(segs[0][2])  # exact, without float noise
+        return sum((b - a) * n for a, b, n in segs) / end_s
+
+    def held_s(self, end_s: float) -> float:
+        """Seconds within ``[0, end_s]`` with at least one device held."""
+        return sum(b - a for a, b, n in self._segments(end_s) if n > 0)
+
+    def peak(self) -> int:
+        return max([self.initial, *(n for _, n in self.changes)])
+
+    def series(self, end_s: float) -> tuple[tuple[float, int], ...]:
+        """The step function as ``(t, count)`` points, from 0 to ``end_s``."""
+        pts = [(0.0, self.initial)]
+        pts.extend((t, n) for t, n in self.changes if t < end_s)
+        pts.append((max(end_s, pts[-1][0]), self.count(end_s)))
+        return tuple(pts)

@@ -15,11 +15,26 @@
   seamless stream per request: no token is lost or repeated, and every token keeps the logprob
   it was sampled with.
 
-Invariants (tests/engines/test_layout.py, on real vLLM):
-- a request's reported tokens are exactly the tokens it was generated with, across any switch,
-  and it never gets more than its ``max_tokens``;
+- ``ScaleDownRuntime``: RollPacker's Algorithm 1 (section 4.4) acting on a switching engine during
+  one round. After each engine step that completed requests it feeds the pure
+  ``rollpacker.core.scaledown.ScaleDownMonitor``; on a decision it moves the freed replicas'
+  requests to the kept ones by the same recompute migration (``SwitchingEngine.scale_down``),
+  **parks** the freed replicas (they stay loaded, take no request and are not stepped, so giving
+  them back is instant) and hands their devices to training through a callback (the rollout
+  service calls ``trainer.repurpose``). ``close`` at the round's end unparks them. PAT switching
+  is off while replicas are parked (a switch would take the lent devices back).
+
+Devices: a replica's devices are CPU cores here (its engine core's OpenMP threads are bound to
+them, ``VLLM_CPU_OMP_THREADS_BIND``) and GPUs on a cluster (``CUDA_VISIBLE_DEVICES``); a scale-down
+frees whole replicas, never part of a TP group.
+
+Invariants (tests/engines/test_layout.py on real vLLM, tests/services/test_scaledown_runtime.py):
+- a request's reported tokens are exactly the tokens it was generated with, across any switch
+  or scale-down, and it never gets more than its ``max_tokens``;
 - every added request finishes exactly once (or is aborted by the caller);
-- ``num_preemptions`` sums every engine of every layout (non-decreasing).
+- ``num_preemptions`` sums every engine of every layout (non-decreasing);
+- a parked replica holds no request, gets none and is not stepped; after a scale-down every
+  request of a freed replica runs on the kept replica the decision named.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +57,16 @@ from rollpacker.core.latency import (
     SwitchDecision,
     TrajectoryStep,
     choose_layout,
+)
+from rollpacker.core.scaledown import (
+    LengthHistory,
+    Replica,
+    RolloutLayout,
+    RunningRequest,
+    ScaleDecision,
+    ScaleDownConfig,
+    ScaleDownMonitor,
+    ScaleDownOutcome,
 )
 from rollpacker.core.types import EngineStepStats, GenerationRequest, Prompt, RequestUpdate, SamplingSpec
 
@@ -123,6 +148,7 @@ class LayoutEngine:
         self._clock = 0.0
         self.replicas = list(replicas)
         self._held: dict[str, _Held] = {}
+        self._parked: set[int] = set()  # replicas lent out (scale-down): no requests, not stepped
         self.startup_s = sum(getattr(r, "startup_s", 0.0) for r in replicas)
 
     @classmethod
@@ -161,11 +187,43 @@ class LayoutEngine:
         counts = [0] * len(self.replicas)
         for h in self._held.values():
             counts[h.replica] += 1
-        i = min(range(len(self.replicas)), key=lambda k: counts[k])
-        self.replicas[i].add_request(request)
+        i = min(self.active, key=lambda k: counts[k])
+        self.add_to(request, i)
+
+    def add_to(self, request: GenerationRequest, replica: int) -> None:
+        """``request`` on replica ``replica`` (a migration's target), not the least loaded one."""
+        if replica in self._parked or not 0 <= replica < len(self.replicas):
+            raise EngineError(f"layout {self.layout.name}: replica {replica} is parked or does not exist")
+        self.replicas[replica].add_request(request)
         self._held[request.request_id] = _Held(
-            i, len(request.engine_input_ids), 0, request.sampling.max_tokens
+            replica, len(request.engine_input_ids), 0, request.sampling.max_tokens
         )
+
+    @property
+    def active(self) -> list[int]:
+        """The replicas that take requests and are stepped (every one unless some are parked)."""
+        return [i for i in range(len(self.replicas)) if i not in self._parked]
+
+    @property
+    def parked(self) -> frozenset[int]:
+        """The replicas lent out (scale-down) until ``unpark``."""
+        return frozenset(self._parked)
+
+    def park(self, replicas: Iterable[int]) -> None:
+        """Stop routing to and stepping ``replicas`` (they must hold no request; they stay loaded)."""
+        ids = set(replicas)
+        busy = sorted({h.replica for h in self._held.values()} & ids)
+        if busy:
+            raise EngineError(
+                f"layout {self.layout.name}: cannot park replica(s) {busy} with requests on them"
+            )
+        if not set(range(len(self.replicas))) - self._parked - ids:
+            raise EngineError(f"layout {self.layout.name}: parking {sorted(ids)} would leave no replica")
+        self._parked |= ids
+
+    def unpark(self) -> None:
+        """Every replica serves again (the devices are back)."""
+        self._parked.clear()
 
     def abort(self, request_ids: Sequence[str]) -> None:
         by_rep: dict[int, list[str]] = {}
@@ -180,7 +238,7 @@ class LayoutEngine:
         start = time.perf_counter()
         updates: list[RequestUpdate] = []
         stats = []
-        for rep in self.replicas:
+        for rep in (self.replicas[i] for i in self.active):
             if rep.has_unfinished():
                 ups, st = rep.step()
                 updates.extend(ups)
@@ -214,7 +272,7 @@ class LayoutEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return any(r.has_unfinished() for r in self.replicas)
+        return any(self.replicas[i].has_unfinished() for i in self.active)
 
     def num_preemptions(self) -> int:
         return sum(int(r.num_preemptions()) for r in self.replicas)
@@ -377,7 +435,9 @@ class SwitchingEngine:
         self._by_internal: dict[str, str] = {}
         self._steps = 0
         self.events: list[SwitchEvent] = []
-        self._pending_recompute: tuple[float, int] | None = None  # (start, event index)
+        self.scale_events: list[SwitchEvent] = []  # scale-downs (source = target layout)
+        # (start, the event list, index): the migration whose recompute is still being timed
+        self._pending_recompute: tuple[float, list[SwitchEvent], int] | None = None
         self.record = False
         self.trajectory: list[tuple[Layout, TrajectoryStep]] = []  # decode steps, when recording
         # simulated pools (the planner benchmark) run on a virtual clock: engine step times plus
@@ -395,7 +455,7 @@ class SwitchingEngine:
                 f"set_layout({layout.name}) with {len(self._reqs)} requests in flight; "
                 "switch_to moves running requests"
             )
-        self.pool[layout]
+        self.pool[layout].unpark()
         self.current = layout
 
     def live_request_ids(self) -> list[str]:
@@ -467,14 +527,15 @@ class SwitchingEngine:
                 del self._by_internal[u.request_id]
             out.append(dataclasses.replace(u, request_id=ext))
         if self._pending_recompute is not None and self.engine.all_started():
-            t0, idx = self._pending_recompute
-            self.events[idx] = dataclasses.replace(self.events[idx], recompute_s=time.perf_counter() - t0)
+            t0, events, idx = self._pending_recompute
+            events[idx] = dataclasses.replace(events[idx], recompute_s=self._t() - t0)
             self._pending_recompute = None
         if (
             self.enabled
             and (self.predictor is not None or self._decide is not None)
             and self._reqs
             and self._pending_recompute is None
+            and not self.engine.parked  # devices are lent to training: no layout switch
             and self._steps % self.check_every == 0
         ):
             self._maybe_switch()
@@ -528,12 +589,10 @@ class SwitchingEngine:
         if d.switch:
             self.switch_to(d.target, d)
 
-    def switch_to(self, target: Layout, decision: SwitchDecision | None = None) -> SwitchEvent:
-        """Move every unfinished request to ``target`` by recompute migration."""
-        src = self.current
-        dst_engine = self.pool[target]
-        w0 = time.perf_counter()
-        live = list(self._reqs.values())
+    def _migrate(self, live: Sequence[_Req], place: Callable[[GenerationRequest, _Req], None]) -> int:
+        """Recompute migration of ``live`` off the current engine: abort them there and ``place``
+        each continuation (prompt + the tokens generated so far, the remaining ``max_tokens``)
+        where it goes; returns the context tokens the targets re-prefill."""
         self.engine.abort([r.internal_id for r in live])
         ctx = 0
         for r in live:
@@ -549,12 +608,23 @@ class SwitchingEngine:
                 sampling=dataclasses.replace(o.sampling, max_tokens=left),
                 prefix_token_ids=o.prefix_token_ids + tuple(r.tokens),
                 prefix_logprobs=o.prefix_logprobs + tuple(r.logprobs),
+                # the engine never reads versions; the caller reports the original request's
+                prefix_versions=(),
             )
-            dst_engine.add_request(cont)
+            place(cont, r)
             del self._by_internal[r.internal_id]
             r.internal_id = new_id
             self._by_internal[new_id] = o.request_id
             ctx += len(cont.engine_input_ids)
+        return ctx
+
+    def switch_to(self, target: Layout, decision: SwitchDecision | None = None) -> SwitchEvent:
+        """Move every unfinished request to ``target`` by recompute migration."""
+        src = self.current
+        dst_engine = self.pool[target]
+        w0 = time.perf_counter()
+        live = list(self._reqs.values())
+        ctx = self._migrate(live, lambda cont, _r: dst_engine.add_request(cont))
         control = time.perf_counter() - w0
         if self.virtual and self.predictor is not None:
             control = self.predictor.switch_overhead_s
@@ -574,8 +644,200 @@ class SwitchingEngine:
         )
         self.events.append(ev)
         if live:
-            self._pending_recompute = (self._t(), len(self.events) - 1)
+            self._pending_recompute = (self._t(), self.events, len(self.events) - 1)
         log.info(
             "layout switch %s -> %s: %d requests, %d context tokens", src.name, target.name, len(live), ctx
         )
         return ev
+
+    # -- scale-down (RollPacker 4.4) -----------------------------------------------------------
+    def running(self) -> list[tuple[str, int, int, int]]:
+        """Every unfinished request as ``(request id, replica, prompt tokens, generated tokens)``
+        on the current layout; resumed tokens (a partial response's prefix) count as generated."""
+        held = self.engine.held()
+        out = []
+        for rid, r in sorted(self._reqs.items()):
+            h = held.get(r.internal_id)
+            if h is not None:
+                o = r.original
+                out.append((rid, h.replica, len(o.prompt.token_ids), len(o.prefix_token_ids) + len(r.tokens)))
+        return out
+
+    def scale_down(self, freed: Sequence[int], moves: Mapping[str, int]) -> SwitchEvent:
+        """Move every unfinished request on the ``freed`` replicas of the current layout to the kept
+        replica ``moves`` names for it (by recompute migration), then park the freed replicas."""
+        eng, lay = self.engine, self.current
+        freed_set = set(freed)
+        held = eng.held()
+        live = [
+            r
+            for r in self._reqs.values()
+            if r.internal_id in held and held[r.internal_id].replica in freed_set
+        ]
+        missing = sorted(r.original.request_id for r in live if r.original.request_id not in moves)
+        if missing:
+            raise EngineError(f"scale-down: no kept replica named for request(s) {missing[:3]}")
+        bad = sorted({moves[r.original.request_id] for r in live} & freed_set)
+        if bad or len(freed_set) >= len(eng.replicas):
+            raise EngineError(
+                f"scale-down: freed {sorted(freed_set)} leaves no replica for the moves ({bad})"
+            )
+        w0 = time.perf_counter()
+        ctx = self._migrate(live, lambda cont, r: eng.add_to(cont, moves[r.original.request_id]))
+        eng.park(freed_set)
+        ev = SwitchEvent(
+            at_step=self._steps,
+            source=lay.name,
+            target=f"{lay.name}-{len(freed_set)}",
+            requests=len(live),
+            context_tokens=ctx,
+            control_s=time.perf_counter() - w0,
+            recompute_s=0.0,
+            predicted_switch_s=0.0,
+            predicted_stay_s=0.0,
+            predicted_target_s=0.0,
+        )
+        self.scale_events.append(ev)
+        if live:
+            self._pending_recompute = (self._t(), self.scale_events, len(self.scale_events) - 1)
+        log.info(
+            "scale-down on %s: replicas %s parked, %d requests migrated",
+            lay.name,
+            sorted(freed_set),
+            len(live),
+        )
+        return ev
+
+    def restore_replicas(self) -> None:
+        """Every replica of every layout serves again (the end of a round: devices given back)."""
+        for eng in self.pool.engines.values():
+            eng.unpark()
+
+
+def kv_capacity_tokens(engine: LayoutEngine) -> int:
+    """One replica's KV cache capacity in tokens, as the engine reports it (vLLM's block count x
+    block size; a simulated replica's ``kv_capacity_tokens``); 0 when it does not say."""
+    rep = engine.replicas[0]
+    cap = getattr(rep, "kv_capacity_tokens", None)
+    if isinstance(cap, int):
+        return cap
+    vllm = getattr(rep, "_engine", None)
+    cc = getattr(getattr(vllm, "vllm_config", None), "cache_config", None)
+    blocks = getattr(cc, "num_gpu_blocks", 0) or 0
+    return int(blocks) * int(getattr(cc, "block_size", 0) or 0)
+
+
+class ScaleDownRuntime:
+    """Algorithm 1 of RollPacker (section 4.4) acting on ``engine`` for one round.
+
+    Call ``observe(completed)`` after each engine step with the round's completed count (the
+    driver's ``on_step``); it feeds the pure monitor only when the count moved (Algorithm 1 line 9)
+    and, on a decision, migrates the freed replicas' requests, parks those replicas and calls
+    ``release(devices)`` with their devices (Algorithm 1 lines 18-20). ``close()`` at the round's
+    end unparks every replica and returns what happened (``ScaleDownOutcome``).
+
+    ``|R|`` is fixed at the first observation: the requests the round has submitted by then
+    (completed + unfinished); requests a buffered policy adds later are placed and projected but
+    do not grow ``|R|``, and the completed count is capped at it (as the replay benchmark does).
+    ``kv_capacity(layout)`` is one replica's KV capacity in tokens on ``layout`` (the profile's,
+    or the engine's own); a PAT switch before the decision moves the monitor to the new layout.
+    """
+
+    def __init__(
+        self,
+        engine: SwitchingEngine,
+        config: ScaleDownConfig,
+        history: LengthHistory,
+        kv_capacity: Callable[[Layout], int],
+        release: Callable[[tuple[str, ...]], None],
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.history = history
+        self.kv_capacity = kv_capacity
+        self.release = release
+        self._lay: Layout | None = None
+        self.groups: list[list[str]] = []
+        self.layout = RolloutLayout(())
+        self._monitor: ScaleDownMonitor | None = None
+        self._completed = -1
+        self._t0 = engine.now()
+        self.decision: ScaleDecision | None = None
+        self._outcome = ScaleDownOutcome()
+        self._event: int | None = None  # index into engine.scale_events
+
+    def _sync_layout(self) -> None:
+        """The monitor's replicas are the current layout's (rebuilt after a PAT switch)."""
+        lay = self.engine.current
+        if lay == self._lay:
+            return
+        names = list(self.engine.pool.devices) or [str(i) for i in range(lay.devices)]
+        self.groups = device_groups(lay, names)
+        cap = max(1, int(self.kv_capacity(lay)))
+        self.layout = RolloutLayout(
+            tuple(
+                Replica(f"r{i}", tuple(range(i * lay.tp, (i + 1) * lay.tp)), "node", cap)
+                for i in range(lay.dp)
+            )
+        )
+        if self._monitor is not None:
+            self._monitor = ScaleDownMonitor.restore(
+                self.config, self.layout, self.history, self._monitor.state
+            )
+        self._lay = lay
+
+    def observe(self, completed: int) -> ScaleDecision | None:
+        """Algorithm 1 after one engine step; acts on a decision and returns it (at most once)."""
+        if completed == self._completed or self.decision is not None:
+            return None
+        self._sync_layout()
+        running = [RunningRequest(rid, f"r{rep}", p, g) for rid, rep, p, g in self.engine.running()]
+        if self._monitor is None:
+            total = max(1, completed + len(running))
+            self._monitor = ScaleDownMonitor(self.config, self.layout, self.history, total)
+        m = self._monitor
+        self._completed = completed
+        before = m.state.attempts
+        d = m.observe(min(completed, m.state.total_requests), running)
+        if m.state.attempts > before and d is None:
+            check = m.last_check
+            pick = check is not None and check.reason.startswith("pick:")
+            self._outcome = dataclasses.replace(
+                self._outcome,
+                attempts=m.state.attempts,
+                refused=self._outcome.refused + (not pick),
+                aborted_pick=self._outcome.aborted_pick + pick,
+            )
+        if d is not None:
+            self._act(d, m.state.attempts)
+        return d
+
+    def _act(self, d: ScaleDecision, attempts: int) -> None:
+        at_s = self.engine.now() - self._t0
+        index = {f"r{i}": i for i in range(len(self.groups))}
+        freed = [index[r] for r in d.freed]
+        ev = self.engine.scale_down(freed, {rid: index[to] for rid, to in d.migrate})
+        self._event = len(self.engine.scale_events) - 1
+        devices = tuple(dev for i in freed for dev in self.groups[i])
+        self.decision = d
+        self._outcome = dataclasses.replace(
+            self._outcome,
+            attempts=attempts,
+            scaled_down=True,
+            completed_fraction=d.completed_fraction,
+            at_s=at_s,
+            freed_replicas=len(freed),
+            freed_devices=devices,
+            migrated_requests=ev.requests,
+            migrated_tokens=ev.context_tokens,
+        )
+        self.release(devices)
+
+    def close(self) -> ScaleDownOutcome:
+        """Every replica back (the round is over); what the round's scale-down did."""
+        self.engine.restore_replicas()
+        out = self._outcome
+        if self._event is not None:
+            ev = self.engine.scale_events[self._event]
+            out = dataclasses.replace(out, migrate_s=ev.control_s, recompute_s=ev.recompute_s)
+        return out

@@ -12,6 +12,7 @@ Invariants:
   worker) are that sample's ``status``; ``submit`` itself raises only for misuse (a wrong kind,
   a closed function, no function for the kind);
 - ``RewardResult.correct`` implies ``status is OK``, and ``reward`` is a finite float;
+- ``RewardResult.cut_at_s > 0`` implies ``status is TIMEOUT``;
 - ``result.sample_id == request.sample_id``;
 - ``close()`` is idempotent and leaves no worker running; requests submitted before it still
   resolve (scored, or ``ERROR`` with a detail saying the function was closed).
@@ -53,10 +54,19 @@ class RewardResult:
     status: RewardStatus
     elapsed_s: float  # seconds spent scoring this sample (not waiting in a queue)
     detail: str = ""  # why: the parsed answer, or what went wrong
+    # > 0: an adaptive time limit below the function's ceiling stopped the scoring, at this many
+    # seconds (code: a case cut at min(max(T_min, lambda * T_anchor), T_max) < T_max); 0.0: not cut
+    cut_at_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.reward):
             raise ValueError(f"sample {self.sample_id!r}: reward {self.reward!r} is not finite")
+        if not (math.isfinite(self.cut_at_s) and self.cut_at_s >= 0):
+            raise ValueError(f"sample {self.sample_id!r}: cut_at_s {self.cut_at_s!r} must be >= 0")
+        if self.cut_at_s and self.status is not RewardStatus.TIMEOUT:
+            raise ValueError(
+                f"sample {self.sample_id!r}: cut at {self.cut_at_s} s but status {self.status.value}"
+            )
         if self.correct and self.status is not RewardStatus.OK:
             raise ValueError(f"sample {self.sample_id!r}: correct but status {self.status.value}")
 

@@ -14,7 +14,8 @@ def build_rewards(
     cfg: ExperimentConfig, examples: Sequence[TaskExample], timeouts: AdaptiveTimeout, quiet: bool = False
 ) -> RewardRouter:
     """One reward function per reward kind the examples use: math-verify workers, the code sandbox
-    (adaptive timeouts), the LLM judge; refuses examples no function covers."""
+    (adaptive timeouts; reference solutions as first anchors with ``reward.sandbox.reference_anchors``),
+    the LLM judge; refuses examples no function covers."""
     kinds = {ex.reward_kind for ex in examples}
     fns: list[RewardFunction] = []
     if RewardKind.MATH in kinds:
@@ -32,7 +33,8 @@ def build_rewards(
             memory_mb=sb.memory_mb,
             max_procs=sb.max_procs,
         )
-        fns.append(CodeReward(Sandbox(limits), timeouts, workers=sb.workers))
+        refs = sb.reference_anchors and sb.adaptive
+        fns.append(CodeReward(Sandbox(limits), timeouts, workers=sb.workers, references=refs))
     if RewardKind.JUDGE in kinds:
         fns.append(_judge_reward(cfg, quiet))
     router = RewardRouter(fns)

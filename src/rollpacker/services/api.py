@@ -10,7 +10,9 @@ When each method is called, per step (one *attempt* = one try of a step; a re-ru
                     rollout.plan(state, step)       the round the policy would run
     rollout stage   trainer.begin / reward.begin    forget older attempts, restore committed state
                     rollout.run_round(...)          rolls out; during it the rollout service casts
-                        reward.score / reward.group, and the reward service casts trainer.submit
+                        reward.score / reward.group, and the reward service casts trainer.submit;
+                        with rollout.scale_down the rollout service calls trainer.repurpose once
+                        when it frees engine replicas (the trainer gives them back in finish)
     drain stages    reward.drain(...)               wait for the step's rewards, report them
     train stage     trainer.finish(...)             the one update, checkpoint, weight push
                     rollout.validate(...)           when validation is due
@@ -135,6 +137,15 @@ class TrainReport(Message):
 
 
 @dataclass(frozen=True)
+class DeviceLease(Message):
+    """What ``trainer.repurpose`` did with the devices a scale-down freed (RollPacker 4.4)."""
+
+    devices: tuple[str, ...]  # the devices the trainer now holds (empty: none; a late call)
+    threads: int  # the stream trainer's gradient threads from now on
+    at_s: float  # seconds since the trainer's ``begin`` of this attempt
+
+
+@dataclass(frozen=True)
 class ScoreItem:
     """A response to score at once (validation)."""
 
@@ -161,6 +172,23 @@ class ServiceAPI(Protocol):
         """Called once after construction: how to reach the other services."""
 
     def close(self) -> None: ...
+
+    def start(self, key: str, method: str, args: tuple[Any, ...]) -> None:
+        """Begin ``<method>(*args)`` of this service now, in a thread of its own, and return: a
+        stage starts the step's next piece of work before the KFP task that waits for it exists
+        (its process start-up then overlaps the work). Starting a key twice is a no-op."""
+
+    def collect(self, key: str) -> Collected:
+        """Wait for the call started under ``key``: its result (or its exception), with when it ran."""
+
+
+@dataclass(frozen=True)
+class Collected:
+    """The result of a call begun with ``ServiceAPI.start``, and when it ran (wall clock)."""
+
+    value: Any
+    start_wall: float
+    end_wall: float
 
 
 class RolloutAPI(Protocol):
@@ -207,6 +235,10 @@ class TrainerAPI(Protocol):
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
     ) -> TrainReport: ...
 
+    def repurpose(self, attempt: str, devices: tuple[str, ...]) -> DeviceLease:
+        """Rollout freed ``devices`` (scale-down): compute the streamed gradients on them until
+        ``finish`` gives them back; a call of an older attempt is ignored."""
+
 
 class Peers(Protocol):
     """How a service reaches the others (the registry, picklable into a Ray actor)."""
@@ -216,3 +248,38 @@ class Peers(Protocol):
     def reward(self, role: str) -> RewardAPI: ...
 
     def trainer(self) -> TrainerAPI: ...
+
+
+class TrackingAPI(Protocol):
+    """The arm's MLflow run, reached through a long-lived service so that no stage process imports
+    MLflow (seconds per process) or opens its own HTTP session; every call is one round trip.
+    Mirrors ``rollpacker.tracking.ExperimentTracker`` for the calls the stages make."""
+
+    def check(self) -> str:
+        """The experiment's id (created if missing); a clear error if MLflow does not answer."""
+
+    def arm_run(self, arm: str, params: dict[str, str]) -> str: ...
+
+    def log_step(self, run_id: str, step: int, metrics: dict[str, float]) -> None: ...
+
+    def state_pointer(self, run_id: str) -> tuple[str, int] | None: ...
+
+    def log_committed(self, commit: CommittedStep) -> None:
+        """A committed step in one call: its metrics (one batch), its lengths, the state pointer,
+        and the arm's plots when it is the arm's last step."""
+
+    def log_profile(self, run_id: str, step: int, uri: str, doc: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class CommittedStep(Message):
+    """What MLflow records of a committed step (``TrackingAPI.log_committed``)."""
+
+    run_id: str
+    step: int  # the MLflow step (the RL step + 1: step 0 is the validation before any RL)
+    metrics: dict[str, float]
+    round_kind: str
+    lengths: tuple[int, ...]
+    state_uri: str
+    state_step: int
+    last: bool  # the arm's last step: render its plots and mark the run finished

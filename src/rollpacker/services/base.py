@@ -11,11 +11,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from rollpacker.core.config import StoreConfig, arm_config
 from rollpacker.core.errors import RollpackerError
-from rollpacker.services.api import Peers
+from rollpacker.services.api import Collected, Peers
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 
@@ -39,6 +44,8 @@ class Service:
         self.cfg = arm_config(config_text, arm)
         self._digest = config_digest(config_text)
         self._peers: Peers | None = None
+        self._started: OrderedDict[str, Future[Collected]] = OrderedDict()
+        self._started_lock = threading.Lock()
 
     def config_digest(self) -> str:
         return self._digest
@@ -55,6 +62,45 @@ class Service:
         if self._peers is None:
             raise ServiceError(f"{self.role} service used before the registry bound its peers")
         return self._peers
+
+    # calls begun ahead of the stage that waits for them (ServiceAPI.start / collect)
+    MAX_STARTED = 8  # uncollected calls kept (a stage that died never collects its own)
+
+    def start(self, key: str, method: str, args: tuple[Any, ...]) -> None:
+        with self._started_lock:
+            if key in self._started:
+                return
+            fut: Future[Collected] = Future()
+            self._started[key] = fut
+            while len(self._started) > self.MAX_STARTED:
+                self._started.popitem(last=False)
+        fn = getattr(self, method)
+
+        def run() -> None:
+            t0 = time.time()
+            try:
+                value = fn(*args)
+            except BaseException as e:  # handed to the collector, raised there
+                fut.set_exception(e)
+            else:
+                fut.set_result(Collected(value, t0, time.time()))
+
+        threading.Thread(target=run, name=f"{self.role}-{method}", daemon=True).start()
+
+    def collect(self, key: str) -> Collected:
+        with self._started_lock:
+            fut = self._started.get(key)
+        if fut is None:
+            raise ServiceError(
+                f"{self.role} service: nothing was started under {key!r} (the service was rebuilt, or "
+                "the call was never begun); re-run the step from its plan stage"
+            )
+        try:
+            return fut.result()
+        finally:
+            with self._started_lock:
+                if self._started.get(key) is fut:
+                    del self._started[key]
 
     def store(self) -> ObjectStore:
         return _store(self.cfg.store)

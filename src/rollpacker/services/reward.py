@@ -11,16 +11,27 @@ Invariants:
 - a response is scored once: ``group`` reuses the score ``score`` started, and a late ``score``
   of a response that a group already took is ignored;
 - every group handed to the trainer carries all its rewards;
-- the sandbox's timeout anchors restart from the committed state at every attempt (``begin``).
+- the sandbox's timeout anchors restart from the committed state at every attempt (``begin``);
+  anchors from reference solutions (``reward.sandbox.reference_anchors``, ``rewards/reference.py``)
+  are anchors like any other: reported by ``drain``, committed, restored by the next ``begin``;
+- measuring the synchronous stage never changes the anchors the drain reports.
 
-With ``reward.measure_sync_stage`` the drain also scores every response of the step again, all at
-once: the synchronous reward stage the step would have had (``reward/sync_stage_s``), to set beside
-``reward/tail_s``.
+Metrics (role ``reward``; ``judge/...`` for the judge): ``mean``, ``tail_s`` (reward time left
+after rollout ended), latencies, ``timeouts`` (responses stopped by a time limit), ``cut`` (those
+stopped by an adaptive limit below ``T_max``: a correct but slow response among them is misjudged;
+only a re-run could tell, ``rollpacker.bench.reward_tail`` does that), ``wasted``, ``samples``;
+with reference anchors ``reference_runs`` / ``reference_failed`` / ``reference_s`` (references
+timed into anchors / that failed their own tests or ran past ``T_max`` / sandbox seconds they took).
+
+With ``reward.measure_sync_stage`` the drain also scores the step's trained responses again, all
+at once, from the anchors the step began with: the synchronous reward stage the step would have
+had (``reward/sync_stage_s``), to set beside ``reward/tail_s``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -32,7 +43,9 @@ from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout
 from rollpacker.core.types import Group
 from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
+from rollpacker.rewards.code import CodeReward
 from rollpacker.rewards.factory import build_rewards
+from rollpacker.rewards.reference import ReferenceStats, ReferenceTimer
 from rollpacker.services.api import Anchors, DrainReport, RewardAPI, RewardBegin, ScoreItem
 from rollpacker.services.base import Service
 from rollpacker.tasks.registry import load_task
@@ -52,6 +65,8 @@ class _Attempt:
     requests: list[RewardRequest] = field(default_factory=list)  # every response scored into the step
     last_done_wall: float = 0.0
     error: BaseException | None = None
+    anchors: Anchors = ()  # the committed anchors the attempt began with
+    references: ReferenceStats = field(default_factory=ReferenceStats)  # the timer's, at begin
 
 
 class RewardService(Service, RewardAPI):
@@ -71,7 +86,7 @@ class RewardService(Service, RewardAPI):
         if self._router is not None:
             return
         t = self.cfg.task
-        examples = load_task(t.name, seed=t.seed, num_examples=t.num_examples)
+        examples = load_task(t.name, seed=t.seed, num_examples=t.num_examples, shape=t.shape.items())
         mine = [ex for ex in examples if ex.reward_kind in self.kinds]
         self._examples = {ex.example_id: ex for ex in mine}
         self._router = build_rewards(self.cfg, mine, self.timeouts, quiet=True) if mine else None
@@ -82,7 +97,9 @@ class RewardService(Service, RewardAPI):
         self._ready()
         self.timeouts.reset(dict(anchors))
         with self._lock:
-            self._cur = _Attempt(attempt)
+            timer = self._reference_timer()
+            refs = timer.stats() if timer is not None else ReferenceStats()
+            self._cur = _Attempt(attempt, anchors=tuple(anchors), references=refs)
         return RewardBegin(time.perf_counter() - t0, tuple(k.value for k in self.kinds))
 
     def _submit(self, sample_id: str, prompt_id: str, text: str) -> Future[RewardResult]:
@@ -151,8 +168,8 @@ class RewardService(Service, RewardAPI):
                 cur.last_done_wall = time.time()
                 self._lock.notify_all()
 
-        for i, f in enumerate(futs):
-            f.add_done_callback(lambda f, i=i: done(i, f))
+        for i, fut in enumerate(futs):
+            fut.add_done_callback(functools.partial(done, i))
 
     def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport:
         """Wait for every expected group's rewards; the step's reward metrics and timeout anchors."""
@@ -177,9 +194,12 @@ class RewardService(Service, RewardAPI):
                     f"{self.role} service: {len(missing)} groups unrewarded after {timeout_s} s"
                 )
             results, kinds, wasted = list(cur.results), list(cur.kinds), len(cur.early)
+            trained = [r for r in cur.requests if r.sample_id in cur.grouped]
         metrics = self._metrics(results, kinds, wasted, cur.last_done_wall - rollout_end_wall)
-        if cur.requests:
-            metrics["reward/sync_stage_s"] = self._sync_stage(cur.requests)
+        if results:
+            metrics.update(self._reference_metrics(cur.references))
+        if trained:
+            metrics["reward/sync_stage_s"] = self._sync_stage(trained, cur.anchors)
         return DrainReport(
             role=self.role,
             drain_s=time.perf_counter() - t0,
@@ -204,26 +224,62 @@ class RewardService(Service, RewardAPI):
             f"{pre}/latency_s_mean": sum(lat) / len(lat),
             f"{pre}/latency_s_max": max(lat),
             f"{pre}/timeouts": float(sum(r.status.value == "timeout" for r in results)),
+            f"{pre}/cut": float(sum(r.cut_at_s > 0 for r in results)),
             f"{pre}/wasted": float(wasted),
             f"{pre}/samples": float(len(results)),
         }
         by: dict[str, list[float]] = {}
         for r, k in zip(results, kinds, strict=True):
             by.setdefault(k.value, []).append(r.reward)
-        for k, v in sorted(by.items()):
-            m[f"reward/{k}_mean"] = sum(v) / len(v)
+        for name, v in sorted(by.items()):
+            m[f"reward/{name}_mean"] = sum(v) / len(v)
         return m
 
-    def _sync_stage(self, requests: list[RewardRequest]) -> float:
-        """Seconds to score ``requests`` again, all at once after rollout (a synchronous stage)."""
+    def _sync_stage(self, requests: list[RewardRequest], anchors: Anchors) -> float:
+        """Seconds to score ``requests`` again, all at once after rollout, from the anchors the step
+        began with (a synchronous stage); the anchors the step reached are restored after."""
         router = self._router
         if router is None:
             return 0.0
-        t0 = time.perf_counter()
-        futs = [router.submit(dataclasses.replace(r, sample_id=f"{r.sample_id}#sync")) for r in requests]
-        for f in futs:
-            f.result()
-        return time.perf_counter() - t0
+        reached = self.timeouts.anchors()
+        self.timeouts.reset(dict(anchors))
+        try:
+            t0 = time.perf_counter()
+            futs = [router.submit(dataclasses.replace(r, sample_id=f"{r.sample_id}#sync")) for r in requests]
+            for f in futs:
+                f.result()
+            return time.perf_counter() - t0
+        finally:
+            timer = self._reference_timer()
+            if timer is not None:  # a reference the stage queued must not land in the step's anchors
+                timer.wait_idle(self.timeouts.config.t_max_s * 2 + 5)
+            self.timeouts.reset(reached)
+
+    def _reference_metrics(self, at_begin: ReferenceStats) -> dict[str, float]:
+        """What the reference timing did since ``begin`` (nothing when it is off)."""
+        timer = self._reference_timer()
+        if timer is None:
+            return {}
+        refs = timer.stats().minus(at_begin)
+        return {
+            "reward/reference_runs": float(refs.runs),
+            "reward/reference_failed": float(refs.failed),
+            "reward/reference_s": refs.seconds,
+        }
+
+    def _reference_timer(self) -> ReferenceTimer | None:
+        """The code reward's reference timer (None: no code reward, or reference anchors off)."""
+        router = self._router
+        if router is None or RewardKind.CODE not in router.kinds:
+            return None
+        fn = router.function_for(RewardKind.CODE)
+        return fn.references if isinstance(fn, CodeReward) else None
+
+    def results(self, attempt: str) -> tuple[RewardResult, ...]:
+        """The rewards of ``attempt``'s grouped responses so far (in-process callers: benchmarks,
+        tests; not part of ``RewardAPI``)."""
+        with self._lock:
+            return tuple(self._cur.results) if self._cur.attempt == attempt else ()
 
     def score_now(self, items: tuple[ScoreItem, ...]) -> tuple[bool, ...]:
         """Score items at once and wait (validation)."""

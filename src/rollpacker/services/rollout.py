@@ -6,11 +6,21 @@ While a round runs, each finished response goes to its reward service (``score``
 group to the same service (``group``), which hands the rewarded group to the trainer: the reward
 scheduler and the stream trainer overlap with rollout although the KFP stages run one by one.
 
+With ``rollout.scale_down`` (RollPacker 4.4, Algorithm 1) and engines in layouts, a
+``ScaleDownRuntime`` watches each round: once 20-50 % of its requests completed and the rest fit
+on fewer replicas (projected KV from the state's length history, capacity from the profile), it
+migrates them onto the kept replicas, parks the freed ones and hands their devices to the trainer
+(``trainer.repurpose``); the replicas serve again when the round ends, and the trainer gives the
+devices back in ``finish``, before the next round. The round reports ``rollout/scaled_down_at``
+(the completed fraction; ``_s``: seconds into the round) and what moved.
+
 Invariants:
 - the engine serves the weights of the state's checkpoint before a round starts (``sync``);
 - one round at a time; a round of a newer attempt supersedes an older one (its requests are
   aborted, nothing of it reaches the rewards or the trainer, which only take the current attempt);
-- request ids carry the attempt, so a re-run never reuses an id the engine has seen.
+- request ids carry the attempt, so a re-run never reuses an id the engine has seen;
+- every replica serves again when a round ends, however it ends (scale-down parks them only
+  within the round).
 """
 
 from __future__ import annotations
@@ -29,10 +39,18 @@ from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.buffered import buffer_to_json
 from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
 from rollpacker.core.prompts import CursorState, PromptCursor
+from rollpacker.core.scaledown import LengthHistory
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Completion, Group, SamplingSpec
-from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine, node_devices
+from rollpacker.engines.layout import (
+    EnginePool,
+    LayoutEngine,
+    ScaleDownRuntime,
+    SwitchingEngine,
+    kv_capacity_tokens,
+    node_devices,
+)
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check
 from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import generate, run_round, sample_requests
@@ -185,7 +203,7 @@ class RolloutService(Service, RolloutAPI):
         if self.model_dir is None:
             raise RollpackerError("rollout service: sync(state) first (no model loaded)")
         t = self.cfg.task
-        return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir))
+        return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir), t.shape.items())
 
     def _policy(self, state: ControllerState, attempt: str) -> RolloutPolicy:
         """The arm's policy for one step, rebuilt from the committed state."""
@@ -252,11 +270,15 @@ class RolloutService(Service, RolloutAPI):
                 texts = tuple(tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses)
                 self.peers.reward(reward_role(kinds[g.prompt.prompt_id])).group(attempt, g, texts)
 
-            def on_step(*_: Any) -> None:
+            layout_metrics = self._prepare_layout(state, plan.round_kind.value)
+            scaler = self._scale_down(state, attempt)
+
+            def on_step(_stats: Any, completed: int) -> None:
                 if self._attempt != attempt:
                     raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
+                if scaler is not None:
+                    scaler.observe(completed)
 
-            layout_metrics = self._prepare_layout(state, plan.round_kind.value)
             try:
                 run = run_round(
                     self.engine,
@@ -269,8 +291,32 @@ class RolloutService(Service, RolloutAPI):
             except Superseded:
                 self._drain_engine()
                 raise
+            finally:
+                if scaler is not None:  # every replica serves again, however the round ended
+                    layout_metrics.update(scaler.close().logged())
             policy.commit(run.result)  # this attempt's policy object only: the next state's cursor/queue
             return self._report(step, attempt, policy, run, kinds, layout_metrics)
+
+    def _scale_down(self, state: ControllerState, attempt: str) -> ScaleDownRuntime | None:
+        """Algorithm 1 for this round (``rollout.scale_down.enabled`` on engines in layouts)."""
+        sd, eng = self.cfg.rollout.scale_down, self.engine
+        if not sd.enabled or not isinstance(eng, SwitchingEngine):
+            return None
+        history = LengthHistory.from_lengths(
+            (min(n, self.cfg.rollout.max_tokens) for _, n in state.length_history),
+            self.cfg.rollout.max_tokens,
+        )
+
+        def capacity(layout: Layout) -> int:
+            pred = eng.predictor
+            if pred is not None and layout in pred.candidates:
+                return int(pred.kv_capacity(layout))
+            return kv_capacity_tokens(eng.pool[layout])  # no profile yet: the engine's own figure
+
+        def release(devices: tuple[str, ...]) -> None:
+            self.peers.trainer().repurpose(attempt, devices)
+
+        return ScaleDownRuntime(eng, sd, history, capacity, release)
 
     def _report(
         self,

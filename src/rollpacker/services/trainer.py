@@ -10,17 +10,37 @@ trained: ``finish`` writes them to the object store as the pending batch (the st
 and step t+1's ``begin`` streams that batch's gradients while step t+1 rolls out with the weights
 that sampled it; step t+1's update therefore trains tokens one version old.
 
+Repurposed devices (RollPacker 4.4, Algorithm 1 lines 18-19 and 23; ``rollout.scale_down``): when
+the rollout service frees engine replicas in the tail of a round it calls ``repurpose`` with their
+devices, and the stream trainer computes the rest of the streamed gradients on them; ``finish``
+gives them back after the deferred update (before the weight push and the next round), and
+``begin`` and ``close`` do too. On this CPU a device is a core: the gradient worker runs one
+intra-op thread per freed core, pinned to those cores (``StreamTrainer.place``); before any
+scale-down it runs its base thread on the cores it shares with rollout (no device of its own,
+``train/devices`` 0), as the paper's G_train starts empty. On a GPU node a device is a GPU index
+(``CUDA_VISIBLE_DEVICES`` of the freed replica): the lease is recorded and logged the same way,
+but this one-device torch trainer does not move onto it (a data-parallel trainer, e.g. the
+megatron backend, would start a training replica on the freed GPUs and all-reduce its unscaled
+sums at ``finish``); that path has not run on a GPU. Metrics: ``train/devices`` (devices held,
+time-weighted over the step from ``begin`` to the give-back), ``train/devices_max``,
+``train/threads`` (the gradient worker's threads, time-weighted), ``train/repurposed_s`` and,
+when devices were lent, ``train/repurposed_at_s`` / ``train/returned_at_s`` (seconds from
+``begin``): the step's device timeline.
+
 Invariants:
 - ``begin`` puts the trainer exactly at the committed state's checkpoint (weights, optimizer, RNG,
   policy version) and drops every gradient of an earlier attempt; a trainer that ran ahead of the
   committed state (the training stage died after its update) is rolled back;
 - ``finish`` trains on exactly the round's groups: a missing or unexpected group is an error;
-- a checkpoint URI is never rewritten: a re-run step writes under its own attempt prefix.
+- a checkpoint URI is never rewritten: a re-run step writes under its own attempt prefix;
+- repurposed devices are held only within one attempt: ``finish``, ``begin`` and ``close`` give
+  them back, and a ``repurpose`` of another attempt is ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import threading
 import time
@@ -30,9 +50,10 @@ from typing import Any
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.metrics import policy_lag
+from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
 from rollpacker.core.state import ControllerState
-from rollpacker.services.api import PendingBatch, TrainerAPI, TrainerBegin, TrainReport
+from rollpacker.services.api import DeviceLease, PendingBatch, TrainerAPI, TrainerBegin, TrainReport
 from rollpacker.services.base import Service, checkpoint_cache
 from rollpacker.store.base import ObjectStore, cached_download
 
@@ -50,11 +71,26 @@ class TrainerService(Service, TrainerAPI):
         self._held: list[TrainSample] = []  # one-off: this step's samples, trained next step
         self._pending = 0  # one-off: samples of the previous step being trained now
         self._cond = threading.Condition()
+        # one finish at a time, and a begin waits for an older attempt's update in flight: the
+        # update is begun as the round ends (ServiceAPI.start) and runs while the drain stages do
+        self._finish_lock = threading.Lock()
+        self._t0 = time.perf_counter()  # this attempt's begin: the device timeline's zero
+        self._lease: tuple[str, ...] = ()  # devices repurposed from rollout, held until finish
+        self._devices = DeviceTimeline()
+        self._threads = DeviceTimeline(1)
 
     def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin:
+        t0 = time.perf_counter()
+        with self._cond:  # an older attempt's finish still waiting for its groups gives up now
+            self._attempt = attempt
+            self._cond.notify_all()
+        with self._finish_lock:  # ... and one already updating completes first (restored below)
+            return self._begin(attempt, state, base_uri, t0)
+
+    def _begin(self, attempt: str, state: ControllerState, base_uri: str, t0: float) -> TrainerBegin:
         from rollpacker.trainers.stream import StreamTrainer
 
-        t0 = time.perf_counter()
+        self._give_back()  # an attempt that died holding rollout's devices
         with self._cond:
             self._attempt = attempt
             self._got = set()
@@ -62,6 +98,9 @@ class TrainerService(Service, TrainerAPI):
             self._versions = []
             self._held = []
             self._pending = 0
+            self._t0 = t0
+            self._devices = DeviceTimeline()
+            self._threads = DeviceTimeline(1)
         if self.stream is not None:
             self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
             self.stream = None
@@ -114,6 +153,46 @@ class TrainerService(Service, TrainerAPI):
                 self.stream.submit(list(samples))
             self._cond.notify_all()
 
+    def repurpose(self, attempt: str, devices: tuple[str, ...]) -> DeviceLease:
+        """Compute the streamed gradients on ``devices`` (rollout freed them) until ``finish``."""
+        with self._cond:
+            now = time.perf_counter() - self._t0
+            if attempt != self._attempt or self.stream is None or not devices:
+                return DeviceLease((), 0, now)  # a late call of an older attempt
+            held = tuple(sorted(set(self._lease) | set(devices)))
+            threads = self.stream.place(_cores(held))
+            self._lease = held
+            self._devices = self._devices.at(now, len(held))
+            self._threads = self._threads.at(now, threads)
+            return DeviceLease(held, threads, now)
+
+    def _give_back(self) -> None:
+        """The repurposed devices back to rollout: the gradient worker on its base placement."""
+        with self._cond:
+            if not self._lease:
+                return
+            now = time.perf_counter() - self._t0
+            threads = self.stream.place(None) if self.stream is not None else 1
+            self._lease = ()
+            self._devices = self._devices.at(now, 0)
+            self._threads = self._threads.at(now, threads)
+
+    def _device_metrics(self) -> dict[str, float]:
+        """The step's device timeline (call after ``_give_back``): ``train/devices`` and friends."""
+        end = time.perf_counter() - self._t0
+        dev, thr = self._devices, self._threads
+        out = {
+            "train/devices": dev.mean(end),
+            "train/devices_max": float(dev.peak()),
+            "train/threads": thr.mean(end),
+            "train/repurposed_s": dev.held_s(end),
+        }
+        lent = [t for t, n in dev.changes if n > 0]
+        if lent:
+            out["train/repurposed_at_s"] = lent[0]
+            out["train/returned_at_s"] = next((t for t, n in dev.changes if n == 0 and t >= lent[0]), end)
+        return out
+
     def finish(
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
     ) -> TrainReport:
@@ -121,11 +200,20 @@ class TrainerService(Service, TrainerAPI):
         step's, and ``expected`` are stored at ``batch_key`` for the next); checkpoint; weight push."""
         t0 = time.perf_counter()
         want = set(expected)
+        with self._finish_lock:
+            return self._finish(attempt, step, want, checkpoint_key, batch_key, t0)
+
+    def _finish(
+        self, attempt: str, step: int, want: set[str], checkpoint_key: str, batch_key: str, t0: float
+    ) -> TrainReport:
         timeout_s = self.cfg.services.call_timeout_s
         with self._cond:
             if attempt != self._attempt:
                 raise TrainerError(f"finish of attempt {attempt}, but the trainer is on {self._attempt}")
-            if not self._cond.wait_for(lambda: want <= self._got, timeout=timeout_s):
+            ok = self._cond.wait_for(lambda: attempt != self._attempt or want <= self._got, timeout=timeout_s)
+            if attempt != self._attempt:
+                raise TrainerError(f"finish of attempt {attempt}: superseded by attempt {self._attempt}")
+            if not ok:
                 raise TrainerError(
                     f"{len(want - self._got)} groups never reached the trainer in {timeout_s} s"
                 )
@@ -142,14 +230,23 @@ class TrainerService(Service, TrainerAPI):
             pending_uri = save_batch(self.store(), batch_key, self._held)
             samples = self._pending
             if not self._pending:  # the first step: nothing rolled out before it, no update
-                held = {"train/wait_s": wait_s, "train/held_samples": float(len(self._held))}
+                self._give_back()
+                held = {
+                    "train/wait_s": wait_s,
+                    "train/held_samples": float(len(self._held)),
+                    **self._device_metrics(),
+                }
                 return TrainReport(self.checkpoint_uri, self.trainer.policy_version, 0, pending_uri, held)
         return self._update(samples, wait_s, checkpoint_key, pending_uri)
 
     def _update(self, samples: int, wait_s: float, checkpoint_key: str, pending_uri: str) -> TrainReport:
         """The deferred optimizer step, the checkpoint in the store, the weight push."""
         lag = policy_lag(self._versions, self.trainer.policy_version)
-        report = self.stream.finish()
+        try:
+            report = self.stream.finish()
+        finally:
+            self._give_back()  # before the checkpoint and the weight push: the next round's devices
+        devices = self._device_metrics()
         t_ck = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
             ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
@@ -180,13 +277,25 @@ class TrainerService(Service, TrainerAPI):
                 "train/kl": st.kl,
                 "train/checkpoint_s": ckpt_s,
                 "weights/sync_s": sync_s,
+                **devices,
             },
         )
 
     def close(self) -> None:
+        self._give_back()
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+
+
+def _cores(devices: tuple[str, ...]) -> frozenset[int] | None:
+    """The CPU cores among ``devices`` this process may run on; None (no move) on a GPU node or
+    when none is usable (the lease is still recorded)."""
+    if os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") != "cpu":
+        return None  # GPU indices: see the module docstring
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    cores = frozenset(int(d) for d in devices if d.isdigit() and int(d) in allowed)
+    return cores or None
 
 
 def save_batch(store: ObjectStore, key: str, samples: list[TrainSample]) -> str:

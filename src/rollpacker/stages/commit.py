@@ -3,19 +3,20 @@
 Invariants:
 - the step's records go first (groups log, lengths, commit record), then the state document,
   then the pointer; a step dies before the pointer moves, or is committed whole;
+- garbage (checkpoints and batches neither the new state nor the one before points to) is
+  collected before the records: a commit that dies after it leaves both states' files in place;
 - a commit whose step is already committed by the same attempt returns what was committed
   (idempotent); one of another attempt is refused as stale;
-- checkpoints and one-off batches that neither of the last two states points to are deleted.
 """
 
 from __future__ import annotations
 
-import time
-
 from rollpacker.core.state import ControllerState
+from rollpacker.services.api import CommittedStep
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import (
+    Clock,
     CommitOutput,
     CommitRecord,
     DrainOutput,
@@ -23,6 +24,7 @@ from rollpacker.stages.messages import (
     LengthsLog,
     RolloutOutput,
     StepPlan,
+    Timing,
     TrainOutput,
 )
 from rollpacker.stages.successor import step_metrics, successor
@@ -31,6 +33,7 @@ from rollpacker.stages.successor import step_metrics, successor
 def commit(
     ctx: StageContext, plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
 ) -> CommitOutput:
+    clock = Clock()
     if plan.skip or ro.round is None or tr.report is None:
         return CommitOutput(plan.step, plan.attempt, skipped=True)
     latest = ctx.states.latest()
@@ -46,6 +49,10 @@ def commit(
     # a (re-)profile is one-off work like the arm's start-up: its own metric, not step time
     profile_s = float(ctx.store.get_json(prof_key).get("seconds", 0.0)) if prof else 0.0
     metrics.update(_time_metrics(plan, ro, rw, jd, tr, profile_s))
+    # what neither this state nor the one before points to (safe before the commit: both kept)
+    _collect_garbage(ctx, new, state)
+    # the step's wall clock ends here: what is left is a few store writes and one MLflow call
+    metrics.update(_wall_metrics(plan, ro, rw, jd, tr, profile_s, clock.timing()))
     groups = GroupsLog(step, plan.attempt, r.round_kind, r.trained, r.deferred, r.from_queue)
     lengths = LengthsLog(r.round_kind, r.lengths)
     ctx.states.put_blob(step, "groups.json", groups.to_json().encode())
@@ -58,7 +65,6 @@ def commit(
     ctx.states.commit(new)
     hooks.at("commit", step)  # committed, not yet in MLflow: the next plan repairs it
     log_step(ctx, new, step, metrics, lengths)
-    _collect_garbage(ctx, new, state)
     return CommitOutput(step, plan.attempt, False, record.state_uri, r.round_kind, metrics)
 
 
@@ -77,7 +83,7 @@ def _already_committed(
 def _time_metrics(
     plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
 ) -> dict[str, float]:
-    """Seconds per stage, the step's wall and RL time, and the pipeline's own overhead."""
+    """Seconds per stage (each stage function's own work), and what ``_wall_metrics`` needs."""
     stages = {
         "plan": plan.timing,
         "rollout": ro.timing,
@@ -85,13 +91,7 @@ def _time_metrics(
         "judge": jd.timing,
         "train": tr.timing,
     }
-    work = sum(t.work_s for t in stages.values()) + profile_s
-    wall = time.time() - plan.timing.start_wall
     m = {f"stage/{name}_s": t.work_s for name, t in stages.items()}
-    m["pipeline/overhead_s"] = max(0.0, wall - work)
-    m["step/wall_s"] = wall
-    # the RL step itself: without the arm's one-off start-up, profiling and validation
-    m["step/time_s"] = wall - plan.init_s - tr.val_s - profile_s
     if profile_s:
         m["stage/profile_s"] = profile_s
     if tr.validation is not None:
@@ -99,16 +99,63 @@ def _time_metrics(
     return m
 
 
+def busy_seconds(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of wall-clock intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _wall_metrics(
+    plan: StepPlan,
+    ro: RolloutOutput,
+    rw: DrainOutput,
+    jd: DrainOutput,
+    tr: TrainOutput,
+    profile_s: float,
+    commit: Timing,
+) -> dict[str, float]:
+    """The step's wall clock, from the start of its plan task's process (KFP) or of its plan stage
+    (in one process) to its commit record, and the pipeline's own overhead: the time in it when
+    neither a stage nor a service worked on the step (process starts, imports, connections, the
+    orchestrator; docs/pipeline.md). The round and the update run inside services, partly while
+    the next KFP task starts: their spans count as work."""
+    wall = commit.end_wall - plan.timing.start_wall
+    work = [
+        (t.end_wall - t.work_s, t.end_wall)
+        for t in (plan.timing, ro.timing, rw.timing, jd.timing, tr.timing, commit)
+    ]
+    work += [(t.start_wall, t.end_wall) for t in (ro.round_span, tr.update_span) if t is not None]
+    busy = busy_seconds(work) + profile_s  # the profile stage's own span is not passed on
+    return {
+        "stage/commit_s": commit.work_s,
+        "pipeline/overhead_s": max(0.0, wall - busy),
+        "step/wall_s": wall,
+        # the RL step itself: without the arm's one-off start-up, profiling and validation
+        "step/time_s": wall - plan.init_s - tr.val_s - profile_s,
+    }
+
+
 def log_step(
     ctx: StageContext, state: ControllerState, step: int, metrics: dict[str, float], lengths: LengthsLog
 ) -> None:
     """The committed step in MLflow: metrics, lengths, the state pointer; the arm's plots at its end."""
-    run = state.mlflow_run_id
-    ctx.tracker.log_step(run, step + 1, metrics)
-    ctx.tracker.log_step_lengths(run, step + 1, lengths.round_kind, list(lengths.lengths))
-    ctx.tracker.set_state_pointer(run, ctx.store.uri(ctx.states.state_key(state.step)), state.step)
-    if state.step == ctx.cfg.steps - 1:
-        ctx.tracker.finish_arm(run)
+    ctx.tracker.log_committed(
+        CommittedStep(
+            state.mlflow_run_id,
+            step + 1,
+            metrics,
+            lengths.round_kind,
+            tuple(lengths.lengths),
+            ctx.store.uri(ctx.states.state_key(state.step)),
+            state.step,
+            last=state.step == ctx.cfg.steps - 1,
+        )
+    )
 
 
 def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerState) -> None:

@@ -8,17 +8,16 @@ Invariants:
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from rollpacker.core.config import ExperimentConfig, arm_config
 from rollpacker.core.state import ControllerState, StateError
+from rollpacker.services.api import TrackingAPI
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry
 from rollpacker.stages.messages import StepPlan
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
-from rollpacker.tracking import ExperimentTracker
 
 
 @dataclass
@@ -29,25 +28,25 @@ class StageContext:
     store: ObjectStore
     states: StateStore
     services: ServiceRegistry
-    _tracker: ExperimentTracker | None = field(default=None, repr=False)
+    # wall clock when the process running this stage started (a KFP task), if the step's time
+    # should include the process's start-up; None: the stage's own start
+    process_start: float | None = None
 
     @classmethod
-    def create(cls, config_text: str, arm: str, services_mode: str) -> StageContext:
+    def create(
+        cls, config_text: str, arm: str, services_mode: str, process_start: float | None = None
+    ) -> StageContext:
         """The context of ``arm``; ``services_mode``: ``ray`` (named actors) or ``inline``."""
         cfg = arm_config(config_text, arm)
         store = open_store(cfg.store)
         states = StateStore(store, cfg.experiment, arm)
         services = ServiceRegistry(RegistrySpec.of(config_text, cfg, arm, services_mode))
-        return cls(config_text, arm, cfg, store, states, services)
+        return cls(config_text, arm, cfg, store, states, services, process_start)
 
     @property
-    def tracker(self) -> ExperimentTracker:
-        if self._tracker is None:
-            # a stage must not hang for minutes in MLflow's default retry loop (7 tries, backoff)
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-            self._tracker = ExperimentTracker(self.cfg.tracking_uri, self.cfg.experiment)
-        return self._tracker
+    def tracker(self) -> TrackingAPI:
+        """The arm's MLflow run, through the tracking service (no MLflow import here)."""
+        return self.services.tracking()
 
     def state_for(self, plan: StepPlan, latest: ControllerState | None = None) -> ControllerState:
         """The committed state ``plan`` was made from (``latest``: the committed state, if the

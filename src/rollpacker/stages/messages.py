@@ -42,11 +42,27 @@ class Timing(Message):
 class Clock:
     """Measures one stage: ``timing()`` at its end."""
 
-    def __init__(self) -> None:
-        self.t0, self.t0_wall = time.perf_counter(), time.time()
+    def __init__(self, start_wall: float | None = None) -> None:
+        """``start_wall``: when the span began, if before this stage's own work (the start of the
+        process running it); ``work_s`` always counts from here."""
+        self.t0, self.t0_wall = time.perf_counter(), time.time() if start_wall is None else start_wall
 
     def timing(self) -> Timing:
         return Timing(time.perf_counter() - self.t0, self.t0_wall, time.time())
+
+
+def span(start_wall: float, end_wall: float) -> Timing:
+    """A service's call that ran from ``start_wall`` to ``end_wall``."""
+    return Timing(max(0.0, end_wall - start_wall), start_wall, end_wall)
+
+
+@dataclass(frozen=True)
+class RoundStart(Message):
+    """The services began the step's round in the plan stage (no profile was due): what the
+    trainer and the reward services said when they began the attempt."""
+
+    trainer: TrainerBegin
+    rewards: dict[str, RewardBegin]
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,7 @@ class StepPlan(Message):
     round: RoundPlan | None = None
     val0: Validation | None = None  # the validation before any RL (the arm's first step)
     init_s: float = 0.0  # one-off start-up of the arm's first step (warm-ups, engine start)
+    started: RoundStart | None = None  # the round already runs (the rollout stage waits for it)
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,7 @@ class RolloutOutput(Message):
     trainer: TrainerBegin | None
     rewards: dict[str, RewardBegin]
     timing: Timing
+    round_span: Timing | None = None  # when the rollout service ran the round
 
 
 @dataclass(frozen=True)
@@ -96,6 +114,7 @@ class TrainOutput(Message):
     validation: Validation | None
     val_s: float
     timing: Timing
+    update_span: Timing | None = None  # when the trainer service ran the update (begun at rollout's end)
 
 
 @dataclass(frozen=True)

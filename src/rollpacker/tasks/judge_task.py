@@ -109,7 +109,7 @@ def _wrong_step_solution(start: int, add: int, n: int, rng: random.Random) -> st
         y = (x + add) % synthetic_math.MODULUS
         if k == bad:
             y = (y + delta) % synthetic_math.MODULUS
-        lines.append(f"{k}: {x}+{add}={y}")
+        lines.append(synthetic_math.step_line(k, n, x, add, y))
         x = y
     lines.append(f"Answer: {x}")
     return "\n".join(lines)
@@ -121,9 +121,16 @@ def judge_pairs(
     """Balanced (problem, response, reference, label) pairs built from the synthetic math task."""
     if num_pairs < 1:
         raise ValueError(f"num_pairs = {num_pairs}: must be >= 1")
-    task = task or synthetic_math.SyntheticMathSpec(num_examples=num_pairs, max_steps=12)
+    task = task or synthetic_math.SyntheticMathSpec(
+        num_examples=num_pairs, max_steps=12, hard_fraction=0.0, hard_min_steps=12
+    )
     task = synthetic_math.SyntheticMathSpec(
-        num_examples=num_pairs, median_steps=task.median_steps, sigma=task.sigma, max_steps=task.max_steps
+        num_examples=num_pairs,
+        median_steps=task.median_steps,
+        sigma=task.sigma,
+        max_steps=task.max_steps,
+        hard_fraction=task.hard_fraction,
+        hard_min_steps=task.hard_min_steps,
     )
     rng = random.Random(f"judge-pairs:{seed}")
     out = []
@@ -215,7 +222,9 @@ def p_yes(logits: torch.Tensor) -> torch.Tensor:
 class JudgeWarmupSpec:
     model: str = "micro"  # a tiny_model preset
     task: synthetic_math.SyntheticMathSpec = field(
-        default_factory=lambda: synthetic_math.SyntheticMathSpec(num_examples=20000, max_steps=12)
+        default_factory=lambda: synthetic_math.SyntheticMathSpec(
+            num_examples=20000, max_steps=12, hard_fraction=0.0, hard_min_steps=12
+        )
     )
     prompt: JudgePromptFormat = field(default_factory=JudgePromptFormat)
     steps: int = 150
@@ -237,7 +246,12 @@ class JudgeWarmupSpec:
 
     def key(self) -> str:
         blob = json.dumps(
-            {"v": JUDGE_WARMUP_VERSION, "base": PRESETS[self.model].key(), **asdict(self)},
+            {
+                "v": JUDGE_WARMUP_VERSION,
+                "math_task_version": synthetic_math.TASK_VERSION,  # the pairs are its text
+                "base": PRESETS[self.model].key(),
+                **asdict(self),
+            },
             sort_keys=True,
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:12]

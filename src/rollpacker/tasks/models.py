@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,10 @@ def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
         steps=cfg.model.warmup_steps,
         code_fraction=CODE_SHARE.get(cfg.task.name, 0.0),
     )
+    if cfg.task.name in CODE_SHARE or cfg.task.name == "synthetic_math":
+        # the warm-up problems have the task's length distribution (a model that never saw a long
+        # solution stops early on a long prompt)
+        spec = dataclasses.replace(spec, task=dataclasses.replace(spec.task, **dict(cfg.task.shape.items())))
     bar = tqdm(
         total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
     )
@@ -62,14 +67,22 @@ class TaskData:
 
 
 @functools.lru_cache(maxsize=4)
-def task_data(task_name: str, seed: int, num_examples: int, val_size: int, tokenizer_dir: str) -> TaskData:
-    """The task's examples split into train / validation prompts, tokenized (cached per process)."""
+def task_data(
+    task_name: str,
+    seed: int,
+    num_examples: int,
+    val_size: int,
+    tokenizer_dir: str,
+    shape: tuple[tuple[str, float | bool], ...] = (),
+) -> TaskData:
+    """The task's examples split into train / validation prompts, tokenized (cached per process);
+    ``shape``: ``task.shape`` (``TaskShapeConfig.items()``)."""
     from transformers import AutoTokenizer
 
     from rollpacker.tasks.registry import load_task
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    examples = load_task(task_name, seed=seed, num_examples=num_examples)
+    examples = load_task(task_name, seed=seed, num_examples=num_examples, shape=shape)
     if val_size >= len(examples):
         raise ConfigError(f"task.val_size = {val_size} leaves no training examples out of {len(examples)}")
     train, val = split(examples, val_size / len(examples), seed=seed)

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 
 from rollpacker.core.errors import ConfigError
@@ -31,17 +32,22 @@ BUILTIN_TASKS: tuple[str, ...] = ("synthetic_math", "synthetic_code", "mixed", "
 FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz")
 
 
-def load_task(name_or_path: str, seed: int = 0, num_examples: int | None = None) -> tuple[TaskExample, ...]:
+def load_task(
+    name_or_path: str,
+    seed: int = 0,
+    num_examples: int | None = None,
+    shape: tuple[tuple[str, float | bool], ...] = (),
+) -> tuple[TaskExample, ...]:
+    """``shape``: the synthetic math prompts' length distribution (``TaskShapeConfig.items()``:
+    ``SyntheticMathSpec`` fields) for ``synthetic_math`` and ``mixed``; ignored by other tasks."""
     if num_examples is not None and num_examples < 1:
         raise ConfigError(f"num_examples = {num_examples}: must be >= 1 (or None for the whole task)")
     if name_or_path == "synthetic_math":
         from rollpacker.tasks import synthetic_math
 
-        spec = (
-            synthetic_math.SyntheticMathSpec()
-            if num_examples is None
-            else synthetic_math.SyntheticMathSpec(num_examples=num_examples)
-        )
+        spec = synthetic_math.SyntheticMathSpec(**dict(shape))
+        if num_examples is not None:
+            spec = dataclasses.replace(spec, num_examples=num_examples)
         return synthetic_math.generate(spec, seed)
     if name_or_path == "synthetic_code":
         from rollpacker.tasks import synthetic_code
@@ -53,7 +59,7 @@ def load_task(name_or_path: str, seed: int = 0, num_examples: int | None = None)
         )
         return synthetic_code.generate(cspec, seed)
     if name_or_path == "mixed":
-        return mixed_tasks(seed, 3000 if num_examples is None else num_examples)
+        return mixed_tasks(seed, 3000 if num_examples is None else num_examples, shape)
     if name_or_path == "humaneval":
         from rollpacker.tasks.humaneval import load_humaneval
 
@@ -72,12 +78,18 @@ def load_task(name_or_path: str, seed: int = 0, num_examples: int | None = None)
     return examples if num_examples is None else examples[:num_examples]
 
 
-def mixed_tasks(seed: int, num_examples: int) -> tuple[TaskExample, ...]:
-    """Math, code and judge examples in equal thirds, interleaved (math, code, judge, math, ...)."""
+def mixed_tasks(
+    seed: int, num_examples: int, shape: tuple[tuple[str, float | bool], ...] = ()
+) -> tuple[TaskExample, ...]:
+    """Math, code and judge examples in equal thirds, interleaved (math, code, judge, math, ...);
+    ``shape`` sets the math and judge prompts' length distribution."""
     from rollpacker.tasks import synthetic_code, synthetic_math
 
+    def math_spec(k: int) -> synthetic_math.SyntheticMathSpec:
+        return synthetic_math.SyntheticMathSpec(**{**dict(shape), "num_examples": max(1, k)})
+
     n = [num_examples // 3 + (1 if i < num_examples % 3 else 0) for i in range(3)]
-    maths = synthetic_math.generate(synthetic_math.SyntheticMathSpec(num_examples=max(1, n[0])), seed)
+    maths = synthetic_math.generate(math_spec(n[0]), seed)
     codes = synthetic_code.generate(synthetic_code.SyntheticCodeSpec(num_examples=max(1, n[1])), seed)
     judged = [
         TaskExample(
@@ -87,9 +99,7 @@ def mixed_tasks(seed: int, num_examples: int) -> tuple[TaskExample, ...]:
             reference=synthetic_math.reference_solution(ex),
             metadata={**ex.metadata, "task": "synthetic_judge"},
         )
-        for i, ex in enumerate(
-            synthetic_math.generate(synthetic_math.SyntheticMathSpec(num_examples=max(1, n[2])), seed + 7919)
-        )
+        for i, ex in enumerate(synthetic_math.generate(math_spec(n[2]), seed + 7919))
     ]
     parts: list[list[TaskExample]] = [list(maths[: n[0]]), list(codes[: n[1]]), judged[: n[2]]]
     out: list[TaskExample] = []

@@ -17,6 +17,8 @@ log-normal (median ``median_steps``), so the loop runs from one to ``max_steps``
 Invariants:
 - ``generate(spec, seed)`` is a pure function of (spec, seed); ids are ``code-<seed>-<i>``;
 - every reference solution passes all of its example's test cases and terminates;
+  ``metadata["solution"] == reference_solution(example)`` (the code reward times it as the
+  cases' first adaptive-timeout anchors, ``rewards/reference.py``);
 - ``nonterminating_variant(example)`` is a program of the same shape that never terminates (its
   bound is not reachable in strides), ``wrong_variant`` one that terminates with a wrong answer.
 """
@@ -92,6 +94,8 @@ def make_example(example_id: str, add: int, steps: int, stride: int, starts: tup
             "steps": steps,
             "stride": stride,
             "starts": list(starts),
+            # the reference solution (a correct response), timed as the cases' first timeout anchors
+            "solution": program(add, steps * stride, stride),
         },
     )
 

@@ -63,9 +63,11 @@ class WarmupSpec:
 
     def key(self) -> str:
         fields = asdict(self)
-        if self.code_fraction == 0.0:  # math-only specs keep the keys they had before code existed
+        # a change of a task's text must not reuse a model warmed up on the old one
+        fields["math_task_version"] = synthetic_math.TASK_VERSION
+        if self.code_fraction == 0.0:
             del fields["code"], fields["code_fraction"]
-        else:  # a change of the code task's text must not reuse a model warmed up on the old one
+        else:
             fields["code_task_version"] = synthetic_code.TASK_VERSION
         blob = json.dumps(
             {"v": WARMUP_VERSION, "base": PRESETS[self.model].key(), **fields}, sort_keys=True

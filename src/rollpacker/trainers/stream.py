@@ -7,19 +7,29 @@ scaled by the whole batch's denominator, so the update equals the monolithic-bat
 (``rollpacker.core.stream_math``). With ``stream=False`` the same object buffers the samples and
 trains them after rollout (the synchronous baseline's training stage).
 
+Repurposed devices (RollPacker 4.4, ``rollout.scale_down``): ``place(cores)`` moves the gradient
+worker onto CPU cores that rollout freed: from its next chunk on it runs ``len(cores)`` intra-op
+threads pinned to exactly those cores (``torch.set_num_threads`` and ``sched_setaffinity`` of the
+worker thread; OpenMP threads it starts inherit the mask), and ``place(None)`` puts it back on its
+``threads`` base threads and the process's cores. The placement never changes what is computed,
+only where.
+
 Invariants:
 - every submitted sample is accumulated exactly once before ``finish`` steps;
 - no optimizer step happens before ``finish``;
-- an error in the worker surfaces at the next ``submit`` or at ``finish`` (never silently lost).
+- an error in the worker surfaces at the next ``submit`` or at ``finish`` (never silently lost);
+- each chunk runs under the placement last requested before it started.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.errors import TrainerError
@@ -27,6 +37,7 @@ from rollpacker.trainers.base import TrainStats
 from rollpacker.trainers.torch_trainer import TorchTrainer
 
 _STOP = object()
+_PLACE = object()  # wakes the worker to apply a new placement now
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class StreamTrainer:
         self._streamed = 0
         self._overlap_s = 0.0
         self._finishing = False
+        self._placement: frozenset[int] | None = None  # cores to run on; None = the base placement
         self._thread: threading.Thread | None = None
         if stream:
             self._thread = threading.Thread(target=self._run, name="stream-trainer", daemon=True)
@@ -59,14 +71,21 @@ class StreamTrainer:
         # One intra-op thread for the gradient worker: the engine's decode loop keeps the other
         # cores. Two OpenMP teams spinning on the same cores slow both down many times over.
         torch.set_num_threads(max(1, self.threads))
+        base_cores = _affinity()
+        applied: frozenset[int] | None = None
         while True:
             item = self._q.get()
             try:
                 if item is _STOP:
                     return
+                want = self._placement
+                if want != applied:
+                    _apply(torch, want, max(1, self.threads), base_cores)
+                    applied = want
+                if item is _PLACE:
+                    continue
                 if self._error is None:
-                    samples = item  # type: ignore[assignment]
-                    st = self.trainer.accumulate(samples)  # type: ignore[arg-type]
+                    st = self.trainer.accumulate(cast(list[TrainSample], item))
                     if not self._finishing:
                         self._streamed += st.samples
                         self._overlap_s += st.seconds
@@ -78,6 +97,20 @@ class StreamTrainer:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise TrainerError(f"the stream trainer failed: {self._error}") from self._error
+
+    def place(self, cores: frozenset[int] | None) -> int:
+        """Run the gradient worker on ``cores`` from its next chunk on (``None``: back to its base
+        threads on the process's cores); returns the threads it will use."""
+        if cores is not None and not cores:
+            raise TrainerError("place: give at least one core (or None for the base placement)")
+        self._placement = frozenset(cores) if cores is not None else None
+        if self._thread is not None:
+            self._q.put(_PLACE)  # applied now, not only when the next chunk arrives
+        return len(cores) if cores is not None else max(1, self.threads)
+
+    @property
+    def placement(self) -> frozenset[int] | None:
+        return self._placement
 
     def submit(self, samples: Sequence[TrainSample]) -> None:
         self._raise_if_failed()
@@ -111,3 +144,21 @@ class StreamTrainer:
         if self._thread is not None and self._thread.is_alive():
             self._q.put(_STOP)
             self._thread.join(timeout=30)
+
+
+def _affinity() -> frozenset[int] | None:
+    """The calling thread's cores (None where the OS has no affinity call)."""
+    get = getattr(os, "sched_getaffinity", None)
+    return frozenset(get(0)) if get is not None else None
+
+
+def _apply(
+    torch: Any, cores: frozenset[int] | None, base_threads: int, base_cores: frozenset[int] | None
+) -> None:
+    """Pin the calling (worker) thread to ``cores`` with one intra-op thread per core, or restore
+    its base placement. ``sched_setaffinity(0, ...)`` acts on the calling thread only on Linux."""
+    target = cores if cores is not None else base_cores
+    setter = getattr(os, "sched_setaffinity", None)
+    if setter is not None and target:
+        setter(0, target)
+    torch.set_num_threads(len(cores) if cores is not None else base_threads)

@@ -1,0 +1,75 @@
+"""The trainer's update runs ahead of the training stage (begun as the round ends); a newer
+attempt must never be mixed with an older attempt's update still waiting or running."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.services.test_scaledown_runtime import _group, _small_model, _TrainerPeers, start_state
+
+
+def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    from rollpacker.core.config import StoreConfig
+    from rollpacker.services.trainer import TrainerService
+    from rollpacker.store import open_store
+
+    monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
+    store = open_store(StoreConfig(endpoint=f"file://{tmp_path / 'store'}"))
+    base = store.upload_dir(_small_model(tmp_path / "model"), "t/base/")
+    text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\n'
+    svc = TrainerService(text, "sync")
+    svc.bind(_TrainerPeers())
+    state = start_state("t", "sync", base)
+    return svc, state, base
+
+
+def test_a_newer_attempt_stops_an_older_finish_that_still_waits_for_its_groups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollpacker.core.errors import TrainerError
+
+    svc, state, base = _service(tmp_path, monkeypatch)
+    svc.begin("old", state, base)
+    # the old attempt's update was begun at its round's end; its groups never all arrive (the
+    # reward task died), and a re-run of the same step expects the very same prompts
+    svc.start("finish:old", "finish", ("old", 0, ("p1", "p2"), "t/ckpt/old/", "t/batch/old"))
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    svc.begin("new", state, base)
+    assert time.monotonic() - t0 < 10  # begin did not wait for the old finish's 1800 s timeout
+    with pytest.raises(TrainerError, match="superseded by attempt new"):
+        svc._started["finish:old"].result(timeout=10)  # at once, not at the 1800 s call timeout
+    assert svc._attempt == "new" and svc.trainer.policy_version == 0  # nothing was updated
+    svc.close()
+
+
+def test_begin_waits_for_an_older_update_in_flight_then_restores_the_state(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc, state, base = _service(tmp_path, monkeypatch)
+    svc.begin("old", state, base)
+    entered, release = threading.Event(), threading.Event()
+    real = svc._update
+
+    def slow_update(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    svc._update = slow_update
+    svc.submit("old", "g0", _group("g0", 0))
+    svc.start("finish:old", "finish", ("old", 0, ("g0",), "t/ckpt/old/", "t/batch/old"))
+    assert entered.wait(10)
+    done = threading.Event()
+    threading.Thread(target=lambda: (svc.begin("new", state, base), done.set()), daemon=True).start()
+    time.sleep(0.5)
+    assert not done.is_set()  # the new attempt waits for the update in flight
+    release.set()
+    assert done.wait(30)
+    assert svc.collect("finish:old").value.policy_version == 1  # the old update ran to its end...
+    assert svc.trainer.policy_version == state.policy_version  # ...and the new attempt restored the state
+    svc.close()
