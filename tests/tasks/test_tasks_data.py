@@ -98,3 +98,23 @@ def test_verbose_solutions_carry_the_step_count_and_end_like_short_ones() -> Non
             assert int(y) == (x + a) % 10 and lhs.split(": ")[1].startswith(f"{x}+")
             x = int(y)
         assert x == int(ex.reference)
+
+
+def test_model_identity_names_the_start_model_without_building_it(tmp_path) -> None:
+    """The start checkpoint's store key carries it: a changed warm-up or task shape (a different
+    model) must get a different key, the same config the same one."""
+    from rollpacker.core.config import config_from_text
+    from rollpacker.tasks.models import model_identity
+
+    base = "task: {name: mixed}\nmodel: {warmup_steps: 200}\n"
+    ident = model_identity(config_from_text(base))
+    assert ident == model_identity(config_from_text(base)) and ident.startswith("warm-tiny-")
+    assert model_identity(config_from_text(base.replace("200", "600"))) != ident
+    assert model_identity(config_from_text(base.replace("mixed}", "mixed, shape: {verbose: true}}"))) != ident
+    assert model_identity(config_from_text("model: {warmup_steps: 0}")).startswith("tiny-")
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    one = model_identity(config_from_text(f"model: {{model_dir: '{d}'}}"))
+    (d / "model.safetensors").write_bytes(b"x")
+    assert model_identity(config_from_text(f"model: {{model_dir: '{d}'}}")) != one

@@ -164,7 +164,7 @@ def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerSta
     ck = f"{ctx.prefix}/ckpt/"
     keep = {ctx.store.key_of(u).rstrip("/") for u in (new.checkpoint_uri, old.checkpoint_uri) if u}
     for d in _dirs(ctx, ck):
-        if d != "base" and f"{ck}{d}" not in keep:
+        if not d.startswith("base") and f"{ck}{d}" not in keep:
             ctx.store.delete_prefix(f"{ck}{d}/")
     batches = f"{ctx.prefix}/batches/"
     keep = {

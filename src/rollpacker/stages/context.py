@@ -18,6 +18,7 @@ from rollpacker.stages.messages import StepPlan
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
+from rollpacker.tasks.models import model_identity
 
 
 @dataclass
@@ -66,7 +67,9 @@ class StageContext:
         return f"{self.cfg.experiment}/{self.arm}"
 
     def base_key(self) -> str:
-        return f"{self.prefix}/ckpt/base/"
+        """The start model, keyed by what it is (``model_identity``): a changed model or warm-up
+        is a new key, never a stale cached download of the old one."""
+        return f"{self.prefix}/ckpt/base-{model_identity(self.cfg)}/"
 
     def checkpoint_key(self, step: int, attempt: str) -> str:
         return f"{self.prefix}/ckpt/step-{step:06d}-{attempt}/"

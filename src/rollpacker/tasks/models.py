@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,46 @@ from rollpacker.core.types import Prompt
 CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
 
 
+def _warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
+    from rollpacker.tasks.warmup import WarmupSpec
+
+    spec = WarmupSpec(
+        model=cfg.model.preset,
+        steps=cfg.model.warmup_steps,
+        code_fraction=CODE_SHARE.get(cfg.task.name, 0.0),
+    )
+    if cfg.task.name in CODE_SHARE or cfg.task.name == "synthetic_math":
+        # the warm-up problems have the task's length distribution (a model that never saw a long
+        # solution stops early on a long prompt)
+        spec = dataclasses.replace(spec, task=dataclasses.replace(spec.task, **dict(cfg.task.shape.items())))
+    return spec
+
+
+def model_identity(cfg: ExperimentConfig) -> str:
+    """A short digest of the model RL starts from, without building it: the warm-up's cache key,
+    the tiny model's, or ``model.model_dir``'s path and files (names, sizes, mtimes). The start
+    checkpoint's key in the store carries it, so a changed model is never served from a cached
+    download of the old one."""
+    if cfg.model.model_dir:
+        p = Path(cfg.model.model_dir).resolve()
+        files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else []
+        blob = json.dumps([str(p), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)])
+        return "dir-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+    if cfg.model.warmup_steps == 0:
+        from rollpacker.tasks.tiny_model import PRESETS
+
+        if cfg.model.preset not in PRESETS:
+            raise ConfigError(f"model.preset = {cfg.model.preset!r}: use one of {sorted(PRESETS)}")
+        return f"{cfg.model.preset}-{PRESETS[cfg.model.preset].key()}"
+    try:
+        return f"warm-{cfg.model.preset}-{_warmup_spec(cfg).key()}"
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from e
+
+
 def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
     """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached)."""
-    from rollpacker.tasks.warmup import WarmupSpec, warm_up
+    from rollpacker.tasks.warmup import warm_up
 
     if cfg.model.model_dir:
         p = Path(cfg.model.model_dir)
@@ -32,15 +71,7 @@ def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
         return build_tiny_model(cfg.model.preset)
     from tqdm import tqdm
 
-    spec = WarmupSpec(
-        model=cfg.model.preset,
-        steps=cfg.model.warmup_steps,
-        code_fraction=CODE_SHARE.get(cfg.task.name, 0.0),
-    )
-    if cfg.task.name in CODE_SHARE or cfg.task.name == "synthetic_math":
-        # the warm-up problems have the task's length distribution (a model that never saw a long
-        # solution stops early on a long prompt)
-        spec = dataclasses.replace(spec, task=dataclasses.replace(spec.task, **dict(cfg.task.shape.items())))
+    spec = _warmup_spec(cfg)
     bar = tqdm(
         total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
     )
