@@ -201,7 +201,28 @@ class TrainerService(Service, TrainerAPI):
         t0 = time.perf_counter()
         want = set(expected)
         with self._finish_lock:
-            return self._finish(attempt, step, want, checkpoint_key, batch_key, t0)
+            self._whole_node(attempt)
+            try:
+                return self._finish(attempt, step, want, checkpoint_key, batch_key, t0)
+            finally:
+                self._whole_node_back()
+
+    def _whole_node(self, attempt: str) -> None:
+        """The round is over when ``finish`` is called: the gradients still to compute (the last,
+        longest groups and any backlog) run on every core of this process, not on the one thread
+        that shared the cores with the engine during rollout."""
+        cores = _cores(tuple(str(c) for c in sorted(os.sched_getaffinity(0)))) if _HAS_AFFINITY else None
+        with self._cond:
+            if attempt != self._attempt or self.stream is None or not self.cfg.train.stream or not cores:
+                return
+            threads = self.stream.place(cores)
+            self._threads = self._threads.at(time.perf_counter() - self._t0, threads)
+
+    def _whole_node_back(self) -> None:
+        with self._cond:
+            if self.stream is not None and not self._lease and self.stream.placement is not None:
+                threads = self.stream.place(None)
+                self._threads = self._threads.at(time.perf_counter() - self._t0, threads)
 
     def _finish(
         self, attempt: str, step: int, want: set[str], checkpoint_key: str, batch_key: str, t0: float
@@ -286,6 +307,9 @@ class TrainerService(Service, TrainerAPI):
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+
+
+_HAS_AFFINITY = hasattr(os, "sched_getaffinity")
 
 
 def _cores(devices: tuple[str, ...]) -> frozenset[int] | None:
