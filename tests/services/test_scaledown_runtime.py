@@ -403,7 +403,9 @@ def test_the_trainer_takes_the_freed_cores_and_gives_them_back_before_the_next_r
     time.sleep(0.05)
     report = svc.finish("a1", 0, ("g0", "g1"), "sd/ckpt/step-0/", "sd/batch/step-0.json")
     assert seen[0][0] == "g0" and seen[0][1] == base_cores
-    assert seen[1] == ("g1", {int(core)}, 1)
+    # pinned to the lent core; the thread count is torch's process-wide setting, which another
+    # trainer of the same test process may have changed meanwhile: the lease reports it (threads == 1)
+    assert seen[1][:2] == ("g1", {int(core)})
     assert _worker_affinity(svc) == base_cores, "devices given back at finish"
     assert svc.stream.placement is None and svc._lease == ()
     m = report.metrics

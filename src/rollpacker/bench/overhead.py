@@ -110,6 +110,7 @@ def measure(repeats: int = 5, tasks: int = 6, ray_address: str = "") -> dict[str
             # what is left of the process after the connect: Ray's exit hook, or shutdown + exit
             out["ray_exit_implicit"] = med(implicit)
             out["ray_exit_explicit"] = med(explicit)
+            out["ray_shutdown_call"] = med(shutdown)
     per_task = (
         out["kfp_task"] + out["import_edge"] + out.get("ray_connect", 0.0) + out.get("ray_exit_explicit", 0.0)
     )
@@ -127,6 +128,7 @@ def render(m: dict[str, Any]) -> str:
         ("ray.init to the running cluster", "ray_connect"),
         ("exit through Ray's exit hook", "ray_exit_implicit"),
         ("ray.shutdown() + exit", "ray_exit_explicit"),
+        ("  of which the ray.shutdown() call", "ray_shutdown_call"),
         ("a task's floor (kfp + import + connect + shutdown)", "per_task_floor"),
         (f"{m['tasks']} tasks one after another", "step_floor_sequential"),
     ]

@@ -107,7 +107,8 @@ def generate(spec: SyntheticMathSpec, seed: int = 0) -> tuple[TaskExample, ...]:
     out = []
     lo, hi = math.log(spec.hard_min_steps), math.log(spec.max_steps)
     for i in range(spec.num_examples):
-        if rng.random() < spec.hard_fraction:
+        # no draw at all without hard prompts: the default task is the same sequence as before
+        if spec.hard_fraction > 0 and rng.random() < spec.hard_fraction:
             n = round(math.exp(rng.uniform(lo, hi)))
         else:
             n = round(math.exp(rng.gauss(math.log(spec.median_steps), spec.sigma)))
