@@ -511,7 +511,7 @@ def test_no_fd_leak_over_many_runs(sandbox: Sandbox, no_leaks: None) -> None:
     for i in range(20):
         code = ["", "import os\nos._exit(3)", "while True:\n    print('z' * 8192)"][i % 3]
         sandbox.run(code, "pass")
-    assert _fds() == before
+    assert _fds() <= before  # a leak only adds fds
 
 
 def test_parallel_runs_from_threads(sandbox: Sandbox, no_leaks: None) -> None:
@@ -527,7 +527,9 @@ def test_parallel_runs_from_threads(sandbox: Sandbox, no_leaks: None) -> None:
         results = list(pool.map(lambda job: sandbox.run(job[0], job[1], timeouts_s=1.0), jobs))
     for (_, _, expected), r in zip(jobs, results, strict=True):
         assert r.status is expected, r.detail
-    assert _fds() == before
+    # no fd leaked (a leak only adds; an fd another test's background thread closes meanwhile
+    # must not fail this one)
+    assert _fds() <= before
 
 
 # ---------------------------------------------------------------------------------------------------
