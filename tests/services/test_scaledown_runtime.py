@@ -31,6 +31,7 @@ from rollpacker.engines.fake import FakeEngine
 from rollpacker.engines.layout import EnginePool, LayoutEngine, ScaleDownRuntime, SwitchingEngine
 from rollpacker.rollout.driver import RoundRun, run_round
 from tests.conftest import make_prompts
+from tests.small_model import build_small_model
 
 DP2 = Layout(1, 2)
 ON = ScaleDownConfig(enabled=True)
@@ -283,27 +284,6 @@ def test_the_rollout_service_round_lends_devices_only_when_enabled(tmp_path: Pat
 
 
 # -- the trainer service: devices lent and given back --------------------------------------------------
-def _small_model(out: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=0,
-        bos_token_id=0,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
-    return out
 
 
 def start_state(experiment: str, arm: str, base_uri: str) -> ControllerState:
@@ -372,7 +352,7 @@ def test_the_trainer_takes_the_freed_cores_and_gives_them_back_before_the_next_r
 
     monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
     store = open_store(StoreConfig(endpoint=f"file://{tmp_path / 'store'}"))
-    base = store.upload_dir(_small_model(tmp_path / "model"), "sd/base/")
+    base = store.upload_dir(build_small_model(tmp_path / "model"), "sd/base/")
     text = (
         f'experiment: sd\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\n'
         "planner: {devices: 2, max_tp: 1}\nrollout: {scale_down: {enabled: true}}\n"

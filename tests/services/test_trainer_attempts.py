@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.services.test_scaledown_runtime import _group, _small_model, _TrainerPeers, start_state
+from tests.services.test_scaledown_runtime import _group, _TrainerPeers, start_state
+from tests.small_model import build_small_model
 
 
 def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
@@ -19,7 +20,7 @@ def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[n
 
     monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
     store = open_store(StoreConfig(endpoint=f"file://{tmp_path / 'store'}"))
-    base = store.upload_dir(_small_model(tmp_path / "model"), "t/base/")
+    base = store.upload_dir(build_small_model(tmp_path / "model"), "t/base/")
     text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\n'
     svc = TrainerService(text, "sync")
     svc.bind(_TrainerPeers())

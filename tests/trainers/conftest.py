@@ -6,32 +6,13 @@ from pathlib import Path
 import pytest
 
 from rollpacker.core.advantages import TrainSample, group_advantages
+from tests.small_model import build_small_model
 
 
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer Qwen2 (hidden 32) saved in HF format: fast enough for float64 gradient checks."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    out = tmp_path_factory.mktemp("small-model")
-    cfg = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=0,
-        bos_token_id=0,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
-    return out
+    return build_small_model(tmp_path_factory.mktemp("small-model"))
 
 
 def make_batch(num_groups: int, group_size: int, seed: int, vocab: int = 64) -> list[list[TrainSample]]:

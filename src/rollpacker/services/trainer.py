@@ -211,7 +211,7 @@ class TrainerService(Service, TrainerAPI):
         """The round is over when ``finish`` is called: the gradients still to compute (the last,
         longest groups and any backlog) run on every core of this process, not on the one thread
         that shared the cores with the engine during rollout."""
-        cores = _cores(tuple(str(c) for c in sorted(os.sched_getaffinity(0)))) if _HAS_AFFINITY else None
+        cores = _cores(tuple(str(c) for c in os.sched_getaffinity(0))) if _HAS_AFFINITY else None
         with self._cond:
             if attempt != self._attempt or self.stream is None or not self.cfg.train.stream or not cores:
                 return

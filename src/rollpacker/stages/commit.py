@@ -83,7 +83,7 @@ def _already_committed(
 def _time_metrics(
     plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
 ) -> dict[str, float]:
-    """Seconds per stage (each stage function's own work), and what ``_wall_metrics`` needs."""
+    """Seconds per stage (each stage function's own work) and the validation's metrics."""
     stages = {
         "plan": plan.timing,
         "rollout": ro.timing,
