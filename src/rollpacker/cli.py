@@ -1,17 +1,23 @@
 """The ``rollpacker`` command.
 
+rollpacker train                                           # RL steps of the `default` config, to MLflow
+rollpacker run                                             # the embedded experiment: every arm, kfp.local
+rollpacker config list / rollpacker config show default    # the shipped configs, to start your own from
 rollpacker bench rollout --preset paper-cpu --out r.json   # sync vs tail batching on vLLM
 rollpacker trace generate --preset paper-cpu --out t.jsonl # write a preset's trace
 rollpacker model build --preset bench                      # build (or find) a tiny model
-rollpacker model warmup --steps 400                        # supervised warm-up (cached)
-rollpacker train --config configs/default.yaml             # N RL steps, metrics to MLflow
-rollpacker bench learning --config configs/default.yaml    # sync vs tail batching, 3 seeds
+rollpacker model warmup --config default                   # the supervised warm-up `train` uses (cached)
+rollpacker bench learning --config default                 # sync vs tail batching, 3 seeds
 rollpacker bench reward                                    # adaptive vs fixed sandbox timeouts
 rollpacker sandbox run --code a.py --tests t.py --json     # a program and its tests in the jail
 rollpacker up / rollpacker down                            # local S3 store, MLflow server, Ray head
-rollpacker profile --config configs/experiment.yaml        # layouts x batch x context latency table
+rollpacker profile --config experiment                     # layouts x batch x context latency table
 rollpacker bench planner --profile build/profile.json      # fixed layouts vs planner vs PAT switching
-rollpacker submit --host http://localhost:8888            # compile, upload to KFP, one run per arm
+rollpacker submit --host http://localhost:8888             # compile, upload to KFP, one run per arm
+
+``--config`` takes a YAML file or a shipped config by name (``rollpacker config list``), from any
+directory. An expected failure (a bad input, a path that cannot be written, a service that does not
+answer) prints one ``error:`` line and exits 2; ``rollpacker --debug ...`` shows the traceback.
 """
 
 from __future__ import annotations
@@ -43,16 +49,98 @@ sandbox_app = typer.Typer(
 app.add_typer(sandbox_app, name="sandbox")
 
 
+config_app = typer.Typer(help="The example configs shipped with rollpacker.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+CONFIG_HELP = "Experiment YAML: a file, or a shipped config by NAME (`rollpacker config list`)."
+NO_OVERRIDES = "none"
+_debug = False
+
+
+@app.callback()
+def _root(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="Show the traceback of a failure.", show_default="off")
+    ] = False,
+) -> None:
+    """rollpacker: tail batching and friends for synchronous on-policy RL post-training.
+
+    --config options take a YAML file or a shipped config by name (`rollpacker config list`).
+    """
+    global _debug
+    _debug = debug
+
+
 def _fail(e: Exception) -> None:
     typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
 
 
+def _message(e: BaseException) -> str:
+    """One line for an expected failure: the problem and, where known, what to do."""
+    if isinstance(e, RollpackerError):
+        return str(e)
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ""
+        if isinstance(e, ConnectionError | TimeoutError):
+            return f"{e.strerror or e}{where}: a service did not answer; check that it runs (`rollpacker up`)"
+        return f"{e.strerror or e}:{where}; check the path and its permissions"
+    return (
+        f"unexpected {type(e).__name__}: {e} (a bug in rollpacker: run again with "
+        "`rollpacker --debug ...` for the traceback and report it)"
+    )
+
+
+def _config(value: str) -> Path:
+    """The --config value as an absolute path (a file, or a shipped config by name)."""
+    from rollpacker.core.config import resolve_config
+
+    return resolve_config(value)
+
+
+@config_app.command("list")
+def config_list() -> None:
+    """The shipped configs: name, path and what each is for (its first comment line)."""
+    from rollpacker.core.config import shipped_configs
+
+    for name, path in shipped_configs().items():
+        typer.echo(f"{name:<11} {_summary(path.read_text())}")
+    typer.echo("\nuse one with --config NAME; `rollpacker config show NAME > my.yaml` to start your own")
+
+
+def _summary(text: str, width: int = 100) -> str:
+    """A config's first sentence, from its leading comment block, cut to ``width`` characters."""
+    lines = []
+    for ln in text.splitlines():
+        if not ln.startswith("#"):
+            break
+        lines.append(ln.lstrip("# ").strip())
+    sentence = " ".join(lines).split(". ")[0].split(": `")[0].rstrip(".")
+    return sentence if len(sentence) <= width else sentence[: width - 3].rstrip() + "..."
+
+
+@config_app.command("show")
+def config_show(
+    name: Annotated[str, typer.Argument(help="A shipped config's name (`rollpacker config list`).")],
+) -> None:
+    """Print a shipped config (with its comments): `rollpacker config show default > my.yaml`."""
+    from rollpacker.core.config import shipped_configs
+
+    shipped = shipped_configs()
+    if name.removesuffix(".yaml") not in shipped:
+        _fail(RollpackerError(f"no shipped config {name!r}; use one of {', '.join(shipped)}"))
+    typer.echo(shipped[name.removesuffix(".yaml")].read_text(), nl=False)
+
+
 @bench_app.command("rollout")
 def bench_rollout(
     preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
-    trace: Annotated[Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Write the full report as JSON here.")] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.", show_default="none")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the full report as JSON here.", show_default="not written")
+    ] = None,
     p0: Annotated[int, typer.Option("--p0", help="P0: prompts (groups) trained per step.")] = 16,
     r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
     eta_p: Annotated[float, typer.Option(help="Prompt speculation factor (1.0 disables).")] = 1.25,
@@ -88,8 +176,8 @@ def bench_rollout(
     scaledown_kv_tokens: Annotated[
         int | None,
         typer.Option(
-            help="KV capacity per replica in tokens, for the scale-down report "
-            "[default: the engine's, estimated, / replicas]."
+            help="KV capacity per replica in tokens, for the scale-down report.",
+            show_default="the engine's, estimated, / replicas",
         ),
     ] = None,
 ) -> None:
@@ -112,8 +200,10 @@ def bench_rollout(
         write_report,
     )
     from rollpacker.core.config import RolloutConfig, SortedConfig
+    from rollpacker.core.paths import writable_file
 
     try:
+        out = writable_file(out) if out is not None else None
         rc = RolloutConfig(
             prompts_per_step=p0,
             responses_per_prompt=r0,
@@ -176,12 +266,16 @@ def trace_generate(
     seed: Annotated[int, typer.Option(help="Generator seed.")] = 0,
 ) -> None:
     """Write a preset's seeded trace as JSON Lines (one prompt per line)."""
+    from rollpacker.core.paths import writable_file
     from rollpacker.core.trace import PRESETS, generate
 
     if preset not in PRESETS:
         _fail(RollpackerError(f"unknown preset {preset!r}; use one of {sorted(PRESETS)}"))
+    try:
+        out = writable_file(out)
+    except RollpackerError as e:
+        _fail(e)
     recs = generate(PRESETS[preset], seed=seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(r.to_json() + "\n" for r in recs))
     typer.echo(f"wrote {len(recs)} prompts to {out}")
 
@@ -217,21 +311,44 @@ def model_build(
 
 @model_app.command("warmup")
 def model_warmup(
-    preset: Annotated[str, typer.Option(help="Tiny-model preset to warm up.")] = "tiny",
-    steps: Annotated[int, typer.Option(help="Supervised steps on the synthetic math task.")] = 400,
+    config: Annotated[str, typer.Option(help=CONFIG_HELP)] = "default",
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
+    ] = [],  # noqa: B006 - typer needs a literal default
+    steps: Annotated[
+        int | None, typer.Option(help="Supervised steps.", show_default="the config's model.warmup_steps")
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="Tiny-model preset.", show_default="the config's model.preset")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Retrain even if cached.")] = False,
 ) -> None:
-    """Warm the tiny model up on the synthetic math task (cached by spec) and print its path."""
+    """Warm up the model `train` and `run` start from with this config (the same cache entry: run it
+    once ahead, e.g. on a fresh machine) and print its path. The task's shape comes from the config."""
     from tqdm import tqdm
 
-    from rollpacker.tasks.warmup import WarmupSpec, warm_up
+    from rollpacker.core.config import load_config
+    from rollpacker.tasks.models import warmup_spec
+    from rollpacker.tasks.warmup import warm_up
 
+    overrides = _parse_sets(set_)
+    if steps is not None:
+        overrides["model.warmup_steps"] = steps
+    if preset is not None:
+        overrides["model.preset"] = preset
     try:
-        spec = WarmupSpec(model=preset, steps=steps)
-    except ValueError as e:
+        cfg = load_config(_config(config), overrides)
+        if cfg.model.model_dir or cfg.model.warmup_steps == 0:
+            raise RollpackerError(
+                f"{config}: model.model_dir is set or model.warmup_steps is 0: nothing to warm up "
+                "(pass --steps N or a config whose model is warmed up)"
+            )
+        spec = warmup_spec(cfg)
+    except (RollpackerError, ValueError) as e:
         _fail(e)
         return
-    with tqdm(total=steps, desc="warm-up", unit="step") as bar:
+    with tqdm(total=spec.steps, desc="warm-up", unit="step") as bar:
         path = warm_up(
             spec, force=force, progress=lambda _s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))
         )
@@ -251,25 +368,29 @@ def _parse_sets(sets: list[str]) -> dict[str, object]:
 
 
 def _mlflow_bin() -> str:
-    """The mlflow executable beside this interpreter (the venv's), relative to here when inside."""
-    import sys
-
+    """The mlflow executable beside this interpreter (the venv's), as an absolute path."""
     exe = Path(sys.executable).parent / "mlflow"
-    if not exe.exists():
-        return "mlflow"
-    try:
-        return str(exe.absolute().relative_to(Path.cwd()))
-    except ValueError:
-        return str(exe)
+    return str(exe.absolute()) if exe.exists() else "mlflow"
+
+
+def _mlflow_look(uri: str) -> str:
+    """How to look at a tracking URI: the server's address, or the `mlflow ui` command for a
+    database file (its path made absolute, so the line works from any directory)."""
+    if uri.startswith("http"):
+        return uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).absolute()}"
+    return f"{_mlflow_bin()} ui --backend-store-uri {uri}"
 
 
 @app.command("train")
 def train(
-    config: Annotated[
-        Path, typer.Option(help="Experiment YAML (see configs/default.yaml and docs/training.md).")
-    ],
+    config: Annotated[str, typer.Option(help=CONFIG_HELP + " docs/training.md.")] = "default",
     set_: Annotated[
-        list[str], typer.Option("--set", help="Override a key: --set rollout.policy=sync (repeatable).")
+        list[str],
+        typer.Option(
+            "--set", help="Override a key: --set rollout.policy=sync (repeatable).", show_default=NO_OVERRIDES
+        ),
     ] = [],  # noqa: B006 - typer needs a literal default
     resume: Annotated[bool, typer.Option(help="Continue the run from its last committed step.")] = False,
     fresh: Annotated[bool, typer.Option(help="Delete the run's committed steps and start over.")] = False,
@@ -281,7 +402,7 @@ def train(
     from rollpacker.experiment import train_arm, train_config
 
     try:
-        text, cfg = train_config(config, _parse_sets(set_))
+        text, cfg = train_config(_config(config), _parse_sets(set_))
         s = train_arm(text, resume=resume, fresh=fresh)
     except RollpackerError as e:
         _fail(e)
@@ -291,8 +412,7 @@ def train(
         if s.val_accuracy
         else "-"
     )
-    uri = cfg.tracking_uri
-    look = uri if uri.startswith("http") else f"{_mlflow_bin()} ui --backend-store-uri {uri}"
+    look = _mlflow_look(cfg.tracking_uri)
     typer.echo(
         f"done: {s.steps} steps ({s.steps_run} now), {s.trained_samples} samples, validation accuracy {val}, "
         f"{s.wall_s:.0f} s\n"
@@ -306,9 +426,9 @@ def train(
 
 @bench_app.command("learning")
 def bench_learning(
-    config: Annotated[Path, typer.Option(help="Experiment YAML shared by every arm.")] = Path(
-        "configs/default.yaml"
-    ),
+    config: Annotated[
+        str, typer.Option(help="Experiment YAML shared by every arm; NAME: shipped.")
+    ] = "default",
     arms: Annotated[
         str,
         typer.Option(
@@ -317,7 +437,10 @@ def bench_learning(
         ),
     ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0,1,2",
-    set_: Annotated[list[str], typer.Option("--set", help="Override a config key (repeatable).")] = [],  # noqa: B006
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
+    ] = [],  # noqa: B006
     out: Annotated[Path, typer.Option(help="JSON report path (PNG plots are written beside it).")] = Path(
         "build/bench-learning.json"
     ),
@@ -325,12 +448,16 @@ def bench_learning(
     """Train every (arm, seed) through the one step path on the same config and compare validation
     accuracy after the same number of trained samples; checks every prompt is trained exactly once."""
     from rollpacker.bench.learning import learning_arms, plot, render, run_learning
+    from rollpacker.core.config import load_config
+    from rollpacker.core.paths import writable_file
 
     try:
         chosen = learning_arms(arms)
         seed_list = [int(x) for x in seeds.split(",")]
-        out.parent.mkdir(parents=True, exist_ok=True)
-        report = run_learning(config, _parse_sets(set_), chosen, seed_list)
+        out = writable_file(out)
+        cfg_path = _config(config)
+        load_config(cfg_path, _parse_sets(set_))  # the config and overrides before any warm-up
+        report = run_learning(cfg_path, _parse_sets(set_), chosen, seed_list)
     except (RollpackerError, ValueError, OSError) as e:
         _fail(e)
         return
@@ -357,8 +484,10 @@ def bench_reward(
     """Reward-stage seconds with adaptive vs fixed sandbox timeouts, measured in one run on the
     real sandbox, on a code workload where a share of responses never terminate (docs/sandbox.md)."""
     from rollpacker.bench.reward import render, run_reward_bench
+    from rollpacker.core.paths import writable_file
 
     try:
+        out = writable_file(out)
         report = run_reward_bench(
             problems=problems,
             responses=responses,
@@ -374,7 +503,6 @@ def bench_reward(
     except RollpackerError as e:
         _fail(e)
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     typer.echo(render(report))
     typer.echo(f"wrote {out}")
@@ -382,9 +510,9 @@ def bench_reward(
 
 @bench_app.command("reward-tail")
 def bench_reward_tail(
-    config: Annotated[Path, typer.Option(help="A synthetic_code config (sandbox settings, P0, R0).")] = Path(
-        "configs/code.yaml"
-    ),
+    config: Annotated[
+        str, typer.Option(help="A synthetic_code config (sandbox settings, P0, R0); NAME: shipped.")
+    ] = "code",
     steps: Annotated[int, typer.Option(help="Steps (anchors carry from one to the next).")] = 3,
     rollout_s: Annotated[float, typer.Option(help="Seconds over which a step's responses arrive.")] = 4.0,
     doomed_share: Annotated[float, typer.Option(help="Share of responses that never terminate.")] = 0.15,
@@ -397,11 +525,12 @@ def bench_reward_tail(
     without reference-solution anchors, on the real reward service and sandbox; every cut response
     is re-run at t_max to count correct ones cut (docs/sandbox.md)."""
     from rollpacker.bench.reward_tail import render, run_reward_tail_bench
+    from rollpacker.core.paths import writable_file
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = writable_file(out)
         report = run_reward_tail_bench(
-            config,
+            _config(config),
             steps=steps,
             rollout_s=rollout_s,
             doomed_share=doomed_share,
@@ -420,8 +549,8 @@ def bench_reward_tail(
 @bench_app.command("scaledown")
 def bench_scaledown(
     config: Annotated[
-        Path, typer.Option(help="Experiment YAML (the arm runs tail_batching on 2 replicas).")
-    ] = Path("configs/default.yaml"),
+        str, typer.Option(help="Experiment YAML (the arm runs tail_batching on 2 replicas); NAME: shipped.")
+    ] = "default",
     steps: Annotated[int, typer.Option(help="Steps per arm run.")] = 6,
     repeats: Annotated[int, typer.Option(help="Runs per arm, in ABBA order (off, on, on, off, ...).")] = 2,
     out_dir: Annotated[Path, typer.Option(help="Where scaledown.json and scaledown.png go.")] = Path(
@@ -430,21 +559,25 @@ def bench_scaledown(
     tracking_uri: Annotated[
         str,
         typer.Option(
-            help="Log the JSON and the plot to a `scaledown-bench` MLflow run here (default: none)."
+            help="Log the JSON and the plot to a `scaledown-bench` MLflow run at this tracking URI.",
+            show_default="none: not logged",
         ),
     ] = "",
 ) -> None:
     """RollPacker's Algorithm 1 at runtime, on and off, on the same tail-batching arm in one run:
     step, rollout and train seconds and the trainer's devices over each step (docs/parallelism.md)."""
     from rollpacker.bench.scaledown import render, run_scaledown_bench
+    from rollpacker.core.paths import writable_dir
 
     try:
+        out_dir = writable_dir(out_dir, "--out-dir")
+        cfg_path = _config(config)
         tracker = None
         if tracking_uri:
             from rollpacker.tracking import ExperimentTracker
 
             tracker = ExperimentTracker(tracking_uri, "rollpacker-bench")
-        report = run_scaledown_bench(config, steps=steps, out_dir=out_dir, tracker=tracker, repeats=repeats)
+        report = run_scaledown_bench(cfg_path, steps=steps, out_dir=out_dir, tracker=tracker, repeats=repeats)
     except (RollpackerError, OSError) as e:
         _fail(e)
         return
@@ -459,8 +592,8 @@ def bench_overhead(
     ray_address: Annotated[
         str,
         typer.Option(
-            help="A running Ray cluster to time joining and leaving (default: $RAY_ADDRESS "
-            "or the local one of `make up`; none: skipped)."
+            help="A running Ray cluster to time joining and leaving (none found: the Ray rows are skipped).",
+            show_default="$RAY_ADDRESS or the local one of `make up`",
         ),
     ] = "",
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-overhead.json"),
@@ -470,10 +603,12 @@ def bench_overhead(
     import os
 
     from rollpacker.bench.overhead import main, render
+    from rollpacker.core.paths import writable_file
     from rollpacker.devservices import local_ray_address
 
     addr = ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
     try:
+        out = writable_file(out)
         m = main(out, repeats, tasks, addr)
     except (RollpackerError, OSError, RuntimeError) as e:
         _fail(e)
@@ -486,11 +621,12 @@ def bench_overhead(
 
 @app.command("profile")
 def profile_cmd(
-    config: Annotated[Path, typer.Option(help="Experiment YAML: model, engine, planner grid, task.")] = Path(
-        "configs/experiment.yaml"
-    ),
+    config: Annotated[
+        str, typer.Option(help="Experiment YAML: model, engine, planner grid, task; NAME: shipped.")
+    ] = "experiment",
     layouts: Annotated[
-        str, typer.Option(help="Layouts to profile, e.g. tp1dp2,tp2dp1 (default: every TP of the node).")
+        str,
+        typer.Option(help="Layouts to profile, e.g. tp1dp2,tp2dp1.", show_default="every TP of the node"),
     ] = "",
     held_out: Annotated[int, typer.Option(help="Held-out validation prompts decoded per layout.")] = 64,
     out: Annotated[Path, typer.Option(help="Profile JSON (the table and its validation).")] = Path(
@@ -503,12 +639,13 @@ def profile_cmd(
     table as JSON and a plot next to it (docs/parallelism.md)."""
     from rollpacker.core.config import load_config
     from rollpacker.core.latency import ProfileTable
+    from rollpacker.core.paths import writable_file
     from rollpacker.engines.profiler import plot_profile
     from rollpacker.profiling import profile_layouts, render_profile
 
     try:
-        doc = profile_layouts(load_config(config), layouts, held_out, typer.echo)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = writable_file(out)
+        doc = profile_layouts(load_config(_config(config)), layouts, held_out, typer.echo)
         out.write_text(json.dumps(doc, indent=1))
     except (RollpackerError, OSError) as e:
         _fail(e)
@@ -521,13 +658,16 @@ def profile_cmd(
 @bench_app.command("planner")
 def bench_planner(
     profile: Annotated[
-        Path | None, typer.Option(help="Profile JSON from `rollpacker profile` (default: profile now).")
+        Path | None,
+        typer.Option(help="Profile JSON from `rollpacker profile`.", show_default="none: profile now"),
     ] = None,
-    config: Annotated[Path, typer.Option(help="Experiment YAML (model, engine, planner).")] = Path(
-        "configs/experiment.yaml"
-    ),
+    config: Annotated[
+        str, typer.Option(help="Experiment YAML (model, engine, planner); NAME: shipped.")
+    ] = "experiment",
     preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
-    trace: Annotated[Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.")] = None,
+    trace: Annotated[
+        Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.", show_default="none")
+    ] = None,
     steps: Annotated[int, typer.Option(help="Tail-batching steps simulated per mode.")] = 12,
     real_steps: Annotated[int, typer.Option(help="Steps run on the real engines per mode (0: none).")] = 4,
     p0: Annotated[int, typer.Option("--p0", help="P0: prompts trained per step.")] = 16,
@@ -550,10 +690,12 @@ def bench_planner(
     from rollpacker.bench.planner import PlannerBenchConfig, render
     from rollpacker.bench.replay import load_trace
     from rollpacker.core.config import RolloutConfig, load_config
+    from rollpacker.core.paths import writable_file
     from rollpacker.profiling import planner_benchmark
 
     try:
-        cfg = load_config(config)
+        out = writable_file(out)
+        cfg = load_config(_config(config))
         cfg = dataclasses.replace(
             cfg,
             engine=dataclasses.replace(
@@ -572,7 +714,6 @@ def bench_planner(
             weights_share=weights_share,
             seed=cfg.seed,
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
         report = planner_benchmark(cfg, records, source, bcfg, profile, typer.echo)
         out.write_text(json.dumps(report, indent=2, default=str))
     except (RollpackerError, OSError) as e:
@@ -593,7 +734,10 @@ def sandbox_run(
     ] = 10.0,
     memory_mb: Annotated[int, typer.Option(help="Address-space limit per process in the jail, MB.")] = 512,
     json_out: Annotated[
-        bool, typer.Option("--json", help="Print the result as JSON (status, exec_s, per-test outcomes).")
+        bool,
+        typer.Option(
+            "--json", help="Print the result as JSON (status, exec_s, per-test outcomes).", show_default="off"
+        ),
     ] = False,
 ) -> None:
     """Run a program, then its tests in the same interpreter, in the nsjail sandbox.
@@ -634,9 +778,9 @@ def sandbox_run(
 
 @app.command("run")
 def run_cmd(
-    config: Annotated[Path, typer.Option(help="Experiment YAML (arms, store, services, task, ...).")] = Path(
-        "configs/experiment.yaml"
-    ),
+    config: Annotated[
+        str, typer.Option(help="Experiment YAML (arms, store, services, task, ...); NAME: shipped.")
+    ] = "experiment",
     runner: Annotated[
         str,
         typer.Option(
@@ -645,12 +789,15 @@ def run_cmd(
         ),
     ] = "kfp",
     arm: Annotated[
-        list[str] | None, typer.Option(help="Run only this arm (repeatable); default: every arm.")
+        list[str] | None, typer.Option(help="Run only this arm (repeatable).", show_default="every arm")
     ] = None,
     retries: Annotated[int, typer.Option(help="Re-runs of an arm after a failed step.")] = 1,
     fresh: Annotated[bool, typer.Option(help="Delete the arms' committed state and start over.")] = False,
     no_services: Annotated[
-        bool, typer.Option("--no-services", help="Do not start the local S3 / MLflow / Ray services.")
+        bool,
+        typer.Option(
+            "--no-services", help="Do not start the local S3 / MLflow / Ray services.", show_default="off"
+        ),
     ] = False,
 ) -> None:
     """Run an experiment: every arm's remaining RL steps through the pipeline, then `compare`.
@@ -663,7 +810,7 @@ def run_cmd(
 
     try:
         out = run_experiment(
-            config,
+            _config(config),
             runner=runner,
             arms=arm or None,
             retries=retries,
@@ -674,11 +821,7 @@ def run_cmd(
         _fail(e)
         return
     typer.echo(out.compare_table)
-    ui = (
-        out.tracking_uri
-        if out.tracking_uri.startswith("http")
-        else f"mlflow ui --backend-store-uri {out.tracking_uri}"
-    )
+    ui = _mlflow_look(out.tracking_uri)
     typer.echo(f"\nMLflow: {ui}  (experiment {out.experiment}; `make mlflow-ui` to browse it)")
 
 
@@ -687,20 +830,26 @@ def compare_cmd(
     experiment: Annotated[str, typer.Argument(help="MLflow experiment (the config's `experiment`).")],
     tracking_uri: Annotated[
         str | None,
-        typer.Option(help="MLflow tracking URI [default: $MLFLOW_TRACKING_URI or http://127.0.0.1:5000]."),
+        typer.Option(
+            help="MLflow tracking URI.", show_default="$MLFLOW_TRACKING_URI or http://127.0.0.1:5000"
+        ),
     ] = None,
     baseline: Annotated[str, typer.Option(help="Arm the speedups are measured against.")] = "sync",
-    out: Annotated[Path | None, typer.Option(help="Also write the comparison as JSON here.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Also write the comparison as JSON here.", show_default="not written")
+    ] = None,
 ) -> None:
     """Compare the arms (one MLflow run per rollout policy) of an experiment: mean seconds per
     stage, speedup over the baseline, bubble ratio, accuracy; logs the table and a chart to the
     experiment's `compare` run."""
     import os
 
+    from rollpacker.core.paths import writable_file
     from rollpacker.tracking import compare, log_compare
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "http://127.0.0.1:5000"
     try:
+        out = writable_file(out) if out is not None else None
         report = compare(uri, experiment, baseline=baseline)
         run_id = log_compare(report, uri, experiment)
     except RollpackerError as e:
@@ -709,7 +858,6 @@ def compare_cmd(
     typer.echo(report.render())
     typer.echo(f"\nlogged compare.json, compare.md, compare.png to MLflow run {run_id}")
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report.to_json())
         typer.echo(f"wrote {out}")
 
@@ -720,24 +868,35 @@ def compile_cmd(
         "build"
     ),
     steps: Annotated[
-        int | None, typer.Option(help="RL steps chained in rl_experiment [default: the config's `steps`].")
+        int | None,
+        typer.Option(help="RL steps chained in rl_experiment.", show_default="the config's `steps`"),
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="Experiment YAML whose `steps` is the default.")] = None,
+    config: Annotated[
+        str, typer.Option(help="Experiment YAML whose `steps` is the default; NAME: shipped.")
+    ] = "experiment",
 ) -> None:
     """Compile the KFP pipelines (rl_step: one RL step; rl_experiment: N steps chained) to YAML for
-    the KFP UI or API. Images: components/images.py, overridable by ROLLPACKER_IMAGE_<NAME>."""
-    from rollpacker.core.config import ExperimentConfig
-    from rollpacker.pipeline_compile import compile_pipelines, steps_from_config
+    the KFP UI or API. It prints the steps chained and the images baked in (components/images.py;
+    ROLLPACKER_IMAGE_<NAME>=... overrides one)."""
+    from rollpacker.core.paths import writable_dir
+    from rollpacker.pipeline_compile import compile_pipelines, images_in_use, steps_from_config
 
     try:
+        out = writable_dir(out)
+        source = f"--steps {steps}"
         if steps is None:
-            steps = steps_from_config(config) if config is not None else ExperimentConfig().steps
+            cfg_path = _config(config)
+            steps = steps_from_config(cfg_path)
+            source = f"`steps` of {cfg_path}"
         paths = compile_pipelines(out, steps)
+        images = images_in_use()
     except RollpackerError as e:
         _fail(e)
         return
     for p in paths:
         typer.echo(f"wrote {p}")
+    typer.echo(f"rl_experiment chains {steps} steps ({source})")
+    typer.echo("images: " + ", ".join(f"{name} {ref}" for name, ref in images.items()))
 
 
 @app.command("submit")
@@ -746,17 +905,27 @@ def submit_cmd(
         str, typer.Option(help="The KFP API's URL, e.g. http://localhost:8888 (a port-forward).")
     ],
     experiment: Annotated[
-        str, typer.Option(help="KFP experiment [default: the config's `experiment`].")
+        str, typer.Option(help="KFP experiment.", show_default="the config's `experiment`")
     ] = "",
     steps: Annotated[
-        int | None, typer.Option(help="RL steps chained in the run [default: the config's `steps`].")
+        int | None, typer.Option(help="RL steps chained in the run.", show_default="the config's `steps`")
     ] = None,
-    config: Annotated[Path, typer.Option(help="Experiment YAML the runs get.")] = Path(
-        "manifests/experiment.yaml"
-    ),
-    arm: Annotated[list[str], typer.Option(help="Arm to run (repeatable) [default: every arm].")] = [],  # noqa: B006
-    set_: Annotated[list[str], typer.Option("--set", help="Override a config key (repeatable).")] = [],  # noqa: B006
-    namespace: Annotated[str, typer.Option(help="KFP namespace (multi-user KFP's profile).")] = "",
+    config: Annotated[
+        str,
+        typer.Option(
+            help="Experiment YAML the runs get: a file or a shipped name (`cluster`: Qwen2.5-7B, "
+            "manifests/experiment.yaml)."
+        ),
+    ] = "cluster",
+    arm: Annotated[list[str], typer.Option(help="Arm to run (repeatable).", show_default="every arm")] = [],  # noqa: B006
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
+    ] = [],  # noqa: B006
+    namespace: Annotated[
+        str,
+        typer.Option(help="KFP namespace (multi-user KFP's profile).", show_default="none: single-user KFP"),
+    ] = "",
     service_account: Annotated[str, typer.Option(help="Service account the runs' pods use.")] = (
         "rollpacker-pipeline"
     ),
@@ -769,12 +938,14 @@ def submit_cmd(
     (credentials: $KFP_TOKEN if the server wants a bearer token). docs/operations.md."""
     import os
 
+    from rollpacker.core.paths import writable_dir
     from rollpacker.submit import submit
 
     try:
+        out = writable_dir(out)
         submit(
             host,
-            config,
+            _config(config),
             overrides=_parse_sets(set_),
             experiment=experiment,
             steps=steps,
@@ -800,11 +971,14 @@ def services_up(
         int, typer.Option(help="Move every default port by N, e.g. 100 (a second set beside a running one).")
     ] = 0,
     s3_port: Annotated[
-        int | None, typer.Option(help="SeaweedFS S3 port (store.endpoint 127.0.0.1:PORT) [8333+offset].")
+        int | None,
+        typer.Option(help="SeaweedFS S3 port (store.endpoint 127.0.0.1:PORT).", show_default="8333 + offset"),
     ] = None,
-    mlflow_port: Annotated[int | None, typer.Option(help="MLflow server port [5000+offset].")] = None,
+    mlflow_port: Annotated[
+        int | None, typer.Option(help="MLflow server port.", show_default="5000 + offset")
+    ] = None,
     ray_port: Annotated[
-        int | None, typer.Option(help="Ray head (GCS) port on 127.0.0.2 [6380+offset].")
+        int | None, typer.Option(help="Ray head (GCS) port on 127.0.0.2.", show_default="6380 + offset")
     ] = None,
     mlflow: Annotated[bool, typer.Option(help="Start the MLflow server.")] = True,
     ray: Annotated[bool, typer.Option(help="Start the Ray head.")] = True,
@@ -822,10 +996,12 @@ def services_up(
     import shlex
 
     from rollpacker import devservices
+    from rollpacker.core.paths import writable_dir
 
     sw_ports = devservices.SeaweedPorts().shifted(port_offset)
     ray_ports = devservices.RayPorts().shifted(port_offset)
     try:
+        writable_dir(root, "--root")
         svc = devservices.up(
             root,
             bucket=bucket,
@@ -872,7 +1048,16 @@ def services_down(
 
 
 def main() -> None:
-    app()
+    """The console entry point: every failure that reaches here becomes one ``error:`` line."""
+    import os
+
+    try:
+        app()
+    except Exception as e:
+        if _debug or os.environ.get("ROLLPACKER_DEBUG"):
+            raise
+        typer.secho(f"error: {_message(e)}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

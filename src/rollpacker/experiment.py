@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker import devservices
-from rollpacker.core.config import ExperimentConfig, apply_overrides, config_from_text, load_config
+from rollpacker.core.config import (
+    ExperimentConfig,
+    apply_overrides,
+    config_from_text,
+    load_config,
+    resolve_config,
+)
 from rollpacker.core.errors import ConfigError, RollpackerError
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray
@@ -91,10 +97,9 @@ def run_experiment(
     say = echo or (lambda s: print(s, file=err, flush=True))
     if runner not in ("kfp", "inline"):
         raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
-    text = Path(config_path).read_text() if Path(config_path).is_file() else None
-    if text is None:
-        raise ConfigError(f"config file {config_path} does not exist; see configs/experiment.yaml")
+    config_path = resolve_config(config_path)
     cfg = load_config(config_path)
+    text = config_path.read_text()
     chosen = list(arms) if arms else cfg.arm_names
     for a in chosen:
         if a not in cfg.arm_names:
@@ -248,8 +253,9 @@ def train_config(
     state goes to ``<out_dir>/store`` when the config names no store."""
     import yaml
 
+    config_path = resolve_config(config_path)
     base = load_config(config_path, overrides)  # validates first, naming the file
-    data = yaml.safe_load(Path(config_path).read_text()) or {}
+    data = yaml.safe_load(config_path.read_text()) or {}
     apply_overrides(data, overrides or {}, str(config_path))
     policy = base.rollout.policy.value
     name = (

@@ -64,6 +64,16 @@ def build_pipelines(steps: int) -> dict[str, Any]:
     }
 
 
+def images_in_use() -> dict[str, str]:
+    """Each container image the compiled pipelines run (name -> reference), as ``compile_pipelines``
+    bakes them in now: the defaults of ``components/images.py`` or ``ROLLPACKER_IMAGE_<NAME>``."""
+    images = sys.modules.get("components.images")
+    if images is None:
+        load_pipeline_modules()
+        images = sys.modules["components.images"]
+    return {name: images.image(name) for name in images.IMAGE_NAMES}
+
+
 def compile_pipelines(out_dir: Path, steps: int) -> list[Path]:
     """Write ``rl_step.yaml`` and ``rl_experiment.yaml`` (``steps`` chained steps) into ``out_dir``."""
     from kfp import compiler

@@ -102,8 +102,9 @@ def config_text(path: Path, overrides: dict[str, Any] | None = None) -> tuple[st
     """The config's YAML text as the pipeline gets it (overrides applied) and the validated config."""
     import yaml
 
-    from rollpacker.core.config import config_from_text, load_config
+    from rollpacker.core.config import config_from_text, load_config, resolve_config
 
+    path = resolve_config(path)
     cfg = load_config(path, overrides)
     if not overrides:
         return path.read_text(), cfg

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from rollpacker.core.config import ExperimentConfig, apply_overrides, config_from_text
+from rollpacker.core.config import ExperimentConfig, apply_overrides, config_from_text, resolve_config
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import TaskExample
 from rollpacker.core.types import Completion, FinishReason, Group, Prompt
@@ -269,7 +269,7 @@ def _run_arms(
 
 
 def run_reward_tail_bench(
-    config: str | os.PathLike[str] = "configs/code.yaml",
+    config: str | os.PathLike[str] = "code",
     steps: int = 3,
     rollout_s: float = 4.0,
     doomed_share: float = 0.15,
@@ -289,9 +289,7 @@ def run_reward_tail_bench(
     shares["correct"] = 1 - sum(shares.values())
     if steps < 1 or not rollout_s > 0:
         raise ConfigError(f"steps = {steps}, rollout_s = {rollout_s}: need steps >= 1 and rollout_s > 0")
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+    path = resolve_config(config)
     text = path.read_text()
     cfg = config_from_text(text, str(path))
     workload = make_steps(cfg, steps, rollout_s, shares, slow_case_s, seed)

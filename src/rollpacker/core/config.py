@@ -605,12 +605,42 @@ class ExperimentConfig:
             )
 
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+"""The example configs installed with the package (the repository's ``configs/`` links here)."""
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped configs by name (``default``, ``experiment``, ...), each an absolute path."""
+    return {p.stem: p for p in sorted(SHIPPED_CONFIGS.glob("*.yaml"))}
+
+
+def resolve_config(value: str | Path) -> Path:
+    """The absolute path of a ``--config`` value: an existing YAML file, or a shipped config by
+    name (``default``, ``default.yaml`` or ``configs/default.yaml``, which work from any directory).
+    Anything else raises ``ConfigError`` naming the absolute path and the shipped names."""
+    p = Path(value).expanduser()
+    if p.is_file():
+        return p.resolve()
+    shipped = shipped_configs()
+    name = p.name.removesuffix(".yaml").removesuffix(".yml")
+    if p.parent in (Path("."), Path("configs")) and name in shipped:
+        return shipped[name]
+    what = "is a directory, not a YAML file" if p.is_dir() else "does not exist"
+    raise ConfigError(
+        f"config file {p.absolute()} {what}; give a YAML file or a shipped config by name "
+        f"({', '.join(shipped)}); `rollpacker config show default > my.yaml` writes one to start from"
+    )
+
+
 def load_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> ExperimentConfig:
-    """Read a YAML experiment config; unknown keys are rejected by name."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist; see configs/ for examples")
-    return config_from_text(p.read_text(), where=str(p), overrides=overrides)
+    """Read a YAML experiment config (a path or a shipped name: ``resolve_config``); unknown keys
+    are rejected by name."""
+    p = resolve_config(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p}: cannot be read ({e}); check its permissions and encoding") from e
+    return config_from_text(text, where=str(p), overrides=overrides)
 
 
 def config_from_text(

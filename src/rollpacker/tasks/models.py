@@ -19,7 +19,7 @@ from rollpacker.core.types import Prompt
 CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
 
 
-def _warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
+def warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
     from rollpacker.tasks.warmup import WarmupSpec
 
     spec = WarmupSpec(
@@ -51,7 +51,7 @@ def model_identity(cfg: ExperimentConfig) -> str:
             raise ConfigError(f"model.preset = {cfg.model.preset!r}: use one of {sorted(PRESETS)}")
         return f"{cfg.model.preset}-{PRESETS[cfg.model.preset].key()}"
     try:
-        return f"warm-{cfg.model.preset}-{_warmup_spec(cfg).key()}"
+        return f"warm-{cfg.model.preset}-{warmup_spec(cfg).key()}"
     except ValueError as e:
         raise ConfigError(f"model: {e}") from e
 
@@ -71,7 +71,7 @@ def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
         return build_tiny_model(cfg.model.preset)
     from tqdm import tqdm
 
-    spec = _warmup_spec(cfg)
+    spec = warmup_spec(cfg)
     bar = tqdm(
         total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
     )
