@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.bench.planner import PlannerBenchConfig, run_planner_bench
+from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError, RollpackerError
 from rollpacker.core.latency import Layout, ProfileTable, layouts_for
@@ -82,17 +83,28 @@ def profile_layouts(
     return doc
 
 
+_PROFILE_LEGEND = (
+    ("batch", "requests per replica (B)"),
+    ("context", "tokens of the random prefix each request starts from (L)"),
+    ("tokens", "mean context tokens per replica over the decode window (T)"),
+    ("prefill ms", "milliseconds to prefill the batch's prefixes"),
+    ("decode ms", "mean milliseconds of one decode step"),
+)
+
+
 def render_profile(doc: dict[str, Any], where: str) -> str:
     """The profile table and the predictor's error on held-out trajectories, as text."""
     table = ProfileTable.from_dict(doc["table"], where)
-    lines = [f"{'layout':<8} {'B':>4} {'L':>5} {'T':>8} {'prefill ms':>11} {'decode ms':>10}"]
+    hdr = f"{'layout':<8}  {'batch':>5}  {'context':>7}  {'tokens':>8}  {'prefill ms':>10}  {'decode ms':>9}"
+    lines = [hdr, "-" * len(hdr)]
     for r in table_rows(table):
         lines.append(
-            f"{r['layout']:<8} {r['batch']:>4} {r['context']:>5} {r['tokens']:>8.0f} "
-            f"{r['prefill_ms']:>11.1f} {r['decode_ms']:>10.2f}"
+            f"{r['layout']:<8}  {r['batch']:>5}  {r['context']:>7}  {r['tokens']:>8.0f}  "
+            f"{r['prefill_ms']:>10.1f}  {r['decode_ms']:>9.2f}"
         )
+    lines += legend(_PROFILE_LEGEND)
     for lay, e in doc["validation"].items():
-        lines.append(
+        lines += wrap(
             f"{lay}: predicted vs measured decode on held-out trajectories: {e['window_mape']:.1%} "
             f"mean error per window ({e['steps']} steps), {e['total_error']:.1%} over the whole run"
         )

@@ -3,6 +3,7 @@ policy, driver and switching engine on predictor-timed replicas."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,24 @@ def test_constrained_memory_preempts_on_tp1_and_the_planner_reacts(report) -> No
 
 def test_the_report_renders_the_predictor_view(report) -> None:
     text = render(report)
-    assert "constrained_kv" in text and "predictor's view" in text
+    assert "constrained_kv" in text and "PREDICTED by the latency predictor" in text
     rows = report["predictor_view"]
     assert [r["requests"] for r in rows] == [128, 32, 8, 2, 1]
     assert all(r["remaining_s_tp1dp2"] > 0 and r["remaining_s_tp2dp1"] > 0 for r in rows)
+
+
+def test_the_printed_report_says_simulated_or_measured_and_fits_in_120_columns(report) -> None:
+    # a real part shaped like the simulated ones, one mode switching every step (a long layouts cell)
+    real = copy.deepcopy(report["simulated"]["measured_kv"])
+    real["modes"][3]["layouts"] = ["tp1dp2", "tp2dp1"] * 12
+    lines = render({**report, "real": real}).splitlines()
+    assert max(len(line) for line in lines) <= 120
+    titles = [line for line in lines if line.startswith(("SIMULATED", "MEASURED"))]
+    assert len(titles) == 3
+    assert all("latency predictor" in t for t in titles[:2]) and titles[2].startswith("MEASURED on")
+    assert "constrained_kv" in titles[1] and "PREDICTED by the latency predictor" in "\n".join(lines)
+    assert [line.strip() for line in lines].count("legend:") == 2
+    legend = lines[lines.index("legend:") + 1 :]
+    for term in ("mode", "rollout s", "vs best fixed", "preempted", "switches", "layouts"):
+        assert any(line.split("  ")[1:2] == [term] for line in legend), term
+    assert any(line.endswith("tp1dp2 x6") for line in lines)  # runs of one layout written once

@@ -307,13 +307,51 @@ def test_scaledown_settings_are_validated(kwargs, message) -> None:
         BenchConfig(RolloutConfig(), **kwargs)
 
 
-def test_an_arm_that_runs_out_of_trace_stops_and_says_so() -> None:
+def test_an_arm_that_runs_out_of_trace_stops_and_gets_no_speedup() -> None:
     # 64 in flight: partial rollout draws P0 + 64 prompts per step and the 128-prompt trace runs out
     rep = _bench(0.0, concurrency=64, in_flight=64)
-    pr = rep["policies"]["partial"]
-    assert pr["trace_used_up"] is True and 0 < pr["steps"] < rep["policies"]["tail_batching"]["steps"]
+    pol = rep["policies"]
+    pr, n_sync = pol["partial"], pol["sync"]["steps"]
+    assert pr["trace_used_up"] is True and 0 < pr["steps"] < n_sync == pol["tail_batching"]["steps"]
     assert all(m["groups"] == P0 for m in rep["per_step"]["partial"])
-    assert "(trace used up)" in render_table(rep)
+    # its steps are not the ones sync's mean is over: no speedup, and the JSON says why
+    assert pr["speedup"] is None
+    why = f"{pr['steps']} trained steps vs {n_sync} for sync (the trace ran out): no speedup given"
+    assert pr["speedup_note"] == why
+    assert pol["tail_batching"]["speedup"] > 1 and pol["tail_batching"]["speedup_note"] is None
+    # the sorted arms run whole groups (more steps than sync): a per-step speedup, and a note
+    for name in ("sorted", "sorted_partial"):
+        assert pol[name]["steps"] > n_sync and pol[name]["speedup"] > 0, name
+        assert "whole SortedRL groups" in pol[name]["speedup_note"], name
+    table = render_table(rep).splitlines()
+    row = next(line for line in table if line.startswith("partial "))
+    assert row.split()[3] == "-"  # policy, steps, s/step, speedup
+    assert f"note: partial: {why}" in table
+
+
+def test_the_fake_engine_report_says_simulated_in_its_title() -> None:
+    rep = _bench(0.0, concurrency=32, policies=("sync", "tail_batching"))
+    assert rep["simulated"] is True and rep["simulated_by"].startswith("FakeEngine (virtual clock")
+    text = render_table(rep)
+    title = text[: text.index("\n\n")]  # the title paragraph
+    assert "SIMULATED on FakeEngine" in title and "not a measurement" in title
+    measured = render_table({**rep, "simulated": False, "simulated_by": None})
+    assert "SIMULATED" not in measured and measured.startswith("rollout benchmark: measured on a real engine")
+
+
+def test_the_table_fits_in_120_columns_with_a_legend_for_each_part(five) -> None:
+    long_source = {**five, "trace": {**five["trace"], "source": "/data/traces/" + "very-long-name-" * 12}}
+    for rep in (five, long_source):
+        lines = render_table(rep).splitlines()
+        assert max(len(line) for line in lines) <= 120
+    lines = render_table(five).splitlines()
+    # one legend under the time table, the token table and the scale-down table each
+    assert [line.strip() for line in lines].count("legend:") == 3
+    legend = lines[lines.index("legend:") + 1 :]
+    for term in ("speedup", "bubble", "efficiency", "lag mean", "lag max", "off-policy"):
+        assert any(line.split("  ")[1:2] == [term] for line in legend), term
+    header = next(line for line in lines if line.startswith("policy "))
+    assert "effic." not in header and "off-pol " not in header
 
 
 def test_the_baseline_always_runs_and_unknown_arms_are_named() -> None:

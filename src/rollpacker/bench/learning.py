@@ -13,6 +13,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.errors import ConfigError
 from rollpacker.experiment import TrainSummary, train_arm, train_config
 
@@ -104,25 +105,38 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+_LEGEND = (
+    ("val start", "held-out validation accuracy before RL (step 0)"),
+    ("val end", "held-out validation accuracy after the last step"),
+    ("wall s", "the run's wall-clock seconds"),
+    ("rollout s", "the run's seconds in rollout"),
+    ("once", "every prompt trained exactly once (yes / NO), prompts trained and still waiting"),
+)
+
+
 def render(report: dict[str, Any]) -> str:
-    head = f"{'arm':<15} {'seed':>4} {'val 0':>6} {'val end':>7} {'wall s':>7} {'rollout s':>9}"
-    lines = [f"{head} trained once"]
+    """One row per (arm, seed), then each arm's means over its seeds; a legend."""
+    head = (
+        f"{'arm':<15}  {'seed':>4}  {'val start':>9}  {'val end':>7}  {'wall s':>7}  {'rollout s':>9}  once"
+    )
+    lines = [head, "-" * len(head)]
     for r in report["runs"]:
         once = r["exactly_once"]
         lines.append(
-            f"{r['arm']:<15} {r['seed']:>4} {r['val_accuracy_start']:>6.3f} {r['val_accuracy_end']:>7.3f} "
-            f"{r['wall_s']:>7.1f} {r['rollout_s']:>9.1f} {('yes' if once['ok'] else 'NO'):>4} "
+            f"{r['arm']:<15}  {r['seed']:>4}  {r['val_accuracy_start']:>9.3f}  "
+            f"{r['val_accuracy_end']:>7.3f}  {r['wall_s']:>7.1f}  {r['rollout_s']:>9.1f}  "
+            f"{'yes' if once['ok'] else 'NO'} "
             f"({once['prompts_trained']} prompts, {once['waiting']} waiting)"
         )
     lines.append("")
     for arm, p in report["per_arm"].items():
         vs = report.get("minus_sync_points", {}).get(arm)
-        lines.append(
+        lines += wrap(
             f"{arm:<15} val {p['val_accuracy_start_mean']:.3f} -> {p['val_accuracy_end_mean']:.3f} "
             f"(sd {p['val_accuracy_end_sd']:.3f}), {p['trained_samples']} samples, "
             f"{p['wall_s_mean']:.0f} s/run" + (f", {vs:+.1f} points vs sync" if vs is not None else "")
         )
-    return "\n".join(lines)
+    return "\n".join(lines + legend(_LEGEND))
 
 
 def plot(report: dict[str, Any], out: Path) -> list[Path]:

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollpacker.bench.tables import legend
+
 _KFP_CHAIN = """
 import sys, time
 from kfp import dsl, local
@@ -132,11 +134,23 @@ def render(m: dict[str, Any]) -> str:
         ("a task's floor (kfp + import + connect + shutdown)", "per_task_floor"),
         (f"{m['tasks']} tasks one after another", "step_floor_sequential"),
     ]
-    lines = [f"{'piece':<52} {'seconds':>8}"]
+    lines = [f"{'piece':<52} {'seconds':>8}", "-" * 61]
     for label, key in rows:
         if key in m:
             lines.append(f"{label:<52} {m[key]:8.3f}")
-    return "\n".join(lines)
+    return "\n".join(
+        lines
+        + legend(
+            (
+                ("piece", "what a KFP task's process pays outside the stage's work, one thing at a time"),
+                (
+                    "seconds",
+                    f"wall seconds, each the median over fresh processes ({m['repeats']} per piece; the "
+                    f"kfp.local task is timed in chains of {m['tasks']} tasks)",
+                ),
+            )
+        )
+    )
 
 
 def main(out: Path, repeats: int, tasks: int, ray_address: str) -> dict[str, Any]:

@@ -19,6 +19,7 @@ switch cost), which says in numbers why a switch does or does not pay on this ha
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rollpacker.bench.replay import replay_sampling
+from rollpacker.bench.tables import MAX_COLUMNS, clip, legend, wrap
 from rollpacker.core import planner as plan_mod
 from rollpacker.core.config import PolicyName, RolloutConfig
 from rollpacker.core.errors import ConfigError
@@ -256,8 +258,15 @@ def run_planner_bench(
     return out
 
 
+# the simulated KV scenarios, each in words
+KV_SCENARIOS = {
+    "measured_kv": "the profiled KV capacity",
+    "constrained_kv": "memory-constrained: the weights take a share of each device",
+}
+
+
 def _kv_scenarios(table: ProfileTable, cfg: PlannerBenchConfig) -> dict[str, Callable[[Layout], int]]:
-    """Each simulated scenario's KV tokens per replica of a layout: measured, and constrained."""
+    """Each simulated scenario's KV tokens per replica of a layout (``KV_SCENARIOS`` says each)."""
     capacities = {lp.layout: lp.kv_capacity_tokens for lp in table.layouts}
     return {
         "measured_kv": lambda lay: capacities[lay],
@@ -308,42 +317,92 @@ def _with_speedups(runs: Sequence[ModeRun], kv: dict[str, int]) -> dict[str, Any
     return {"kv_tokens_per_replica": kv, "modes": rows}
 
 
+_MODE_LEGEND = (
+    (
+        "mode",
+        "fixed (L) = layout L for every step; per-step = RollPacker's planner picks each round's TP from "
+        "the preemptions of earlier rounds of its kind; switching = PAT switches layout inside a round; "
+        "per-step+switching = both",
+    ),
+    ("rollout s", "rollout seconds over all the steps (the predictor's seconds where SIMULATED)"),
+    (
+        "vs best fixed",
+        "the fastest fixed layout's rollout s / this mode's (> 1 = faster than every fixed layout)",
+    ),
+    ("preempted", "requests preempted because the KV cache was full, over all the steps"),
+    ("switches", "layout switches inside rounds"),
+    ("layouts", "each step's starting layout (tpTdpD = D replicas of TP T), xN = for N steps in a row"),
+)
+
+
 def render(report: dict[str, Any]) -> str:
-    lines = [
-        f"profile: {report['profile']['model']} on {report['profile']['hardware']}; "
-        f"best layout for a full round: {report['best_layout']}",
-    ]
-
-    def table(title: str, part: dict[str, Any]) -> None:
-        lines.append("")
-        lines.append(title)
-        if part.get("kv_tokens_per_replica"):
-            kv = ", ".join(f"{k} {v}" for k, v in part["kv_tokens_per_replica"].items())
-            lines.append(f"  KV tokens per replica: {kv}")
-        hdr = (
-            f"  {'mode':<28} {'rollout s':>10} {'vs best fixed':>14} {'preempt':>8} {'switches':>9} "
-            "layouts (per step)"
-        )
-        lines.append(hdr)
-        for m in part["modes"]:
-            lays = ",".join(x.replace("tp", "").replace("dp", "x") for x in m["layouts"])
-            lines.append(
-                f"  {m['mode']:<28} {m['rollout_time_s']:>10.2f} {m['vs_best_fixed']:>13.2f}x "
-                f"{sum(m['preemptions']):>8} {m['switches']:>9} {lays}"
-            )
-
+    """The printed report: one table per KV scenario SIMULATED on the predictor, one MEASURED on the
+    real engines (when run), a legend, and the predictor's view of a tail; at most ``MAX_COLUMNS``
+    wide."""
+    p = report["profile"]
+    lines = wrap(
+        f"planner benchmark, profile of {p['model']} on {p['hardware']}; best layout for a full round: "
+        f"{report['best_layout']}"
+    )
     for name, part in report["simulated"].items():
-        table(f"simulated on the profile ({name})", part)
+        title = f"SIMULATED on the profile's latency predictor, {name} ({KV_SCENARIOS[name]}):"
+        lines += ["", *_mode_table(title, part)]
     if "real" in report:
-        table("real vLLM engines on this machine (wall clock)", report["real"])
-    lines.append("")
-    lines.append("predictor's view of a tail (context 320, 256 generated): remaining decode s | switch s")
-    for row in report["predictor_view"]:
-        cells = [f"B={row['requests']:<4}"]
-        for k, v in row.items():
-            if k.startswith("remaining_s_"):
-                lay = k.removeprefix("remaining_s_")
-                sw = row.get(f"switch_to_s_{lay}", 0.0)
-                cells.append(f"{lay} {v:7.3f} | {sw:6.3f}")
-        lines.append("  " + "   ".join(cells))
+        lines += [
+            "",
+            *_mode_table("MEASURED on this machine's real vLLM engines (wall clock):", report["real"]),
+        ]
+    lines += legend(_MODE_LEGEND)
+    lines += ["", *_predictor_lines(report["predictor_view"])]
     return "\n".join(lines)
+
+
+def _mode_table(title: str, part: dict[str, Any]) -> list[str]:
+    """One scenario's modes: rollout seconds, speed against the best fixed layout, preemptions,
+    switches and each step's layout."""
+    lines = wrap(title)
+    if part.get("kv_tokens_per_replica"):
+        kv = ", ".join(f"{k} {v}" for k, v in part["kv_tokens_per_replica"].items())
+        lines += wrap(f"KV tokens per replica: {kv}", indent="  ")
+    hdr = (
+        f"  {'mode':<20}  {'rollout s':>9}  {'vs best fixed':>13}  {'preempted':>9}  {'switches':>8}  layouts"
+    )
+    lines += [hdr, "  " + "-" * (len(hdr) - 2)]
+    room = MAX_COLUMNS - len(hdr) + len("layouts")
+    for m in part["modes"]:
+        lines.append(
+            f"  {clip(m['mode'], 20):<20}  {m['rollout_time_s']:>9.2f}  {m['vs_best_fixed']:>12.2f}x  "
+            f"{sum(m['preemptions']):>9}  {m['switches']:>8}  {clip(_layout_runs(m['layouts']), room)}"
+        )
+    return lines
+
+
+def _layout_runs(layouts: Sequence[str]) -> str:
+    """Each step's layout, a run of the same one written once: ``tp1dp2 x4, tp2dp1 x2``."""
+    return ", ".join(f"{lay} x{len(list(run))}" for lay, run in itertools.groupby(layouts))
+
+
+def _predictor_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The predictor's view of a tail: per layout, seconds to finish it there and to switch there."""
+    lines = wrap(
+        "PREDICTED by the latency predictor: a tail of B requests (context 320, 256 tokens generated) "
+        "on each layout"
+    )
+    layouts = [k.removeprefix("remaining_s_") for k in rows[0] if k.startswith("remaining_s_")]
+    batches = "".join(f" {'B=' + str(r['requests']):>8}" for r in rows)
+    lines.append(f"  {'layout':<8} {'seconds':<9}{batches}")
+    for lay in layouts:
+        finish = "".join(f" {r[f'remaining_s_{lay}']:>8.3f}" for r in rows)
+        switch = "".join(f" {_seconds(r.get(f'switch_to_s_{lay}')):>8}" for r in rows)
+        lines += [f"  {lay:<8} {'to finish':<9}{finish}", f"  {'':<8} {'to switch':<9}{switch}"]
+    return lines + legend(
+        (
+            ("to finish", "predicted seconds to decode the rest of the tail on that layout"),
+            ("to switch", "predicted seconds to switch to that layout from another (- = no other layout)"),
+        ),
+        indent="  ",
+    )
+
+
+def _seconds(s: float | None) -> str:
+    return "-" if s is None else f"{s:.3f}"

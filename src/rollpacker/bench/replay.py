@@ -21,6 +21,13 @@ partial mode) and ``partial`` (async partial rollout) on the same trace and the 
   reported as ``tokens_left_cached``. Any arm stops early, marked ``trace_used_up``, when the trace
   cannot fill its next step (partial rollout needs ``P0 + in_flight`` unread prompts to plan one).
 
+Speedup is sync's rollout seconds per step over the arm's. An arm that trained fewer steps than sync
+(it ran out of trace) gets ``speedup: null``: its steps are not the ones sync's mean is over. The
+sorted arms' extra steps (whole groups) are compared per step. ``speedup_note`` says which, and
+the printed table repeats it under the rows. ``simulated`` (with ``simulated_by``) records whether
+the engine was the simulator (``FakeEngine``, a virtual clock), whose seconds are not measurements;
+the printed title then says SIMULATED.
+
 The policy version is bumped once per step (one update per RL step), so the token-weighted
 off-policy lag of the trained tokens (``policy_lag`` mean / max, ``off_policy_frac``) is the real
 one: 0 for the on-policy arms, > 0 where tokens generated under an older policy are resumed.
@@ -67,6 +74,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.config import EngineConfig, PolicyName, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import ConfigError, PolicyError, RollpackerError
 from rollpacker.core.metrics import RolloutMetrics, bubble_ratio, percentile
@@ -866,13 +874,39 @@ def _buffered_policy(
     return policy, steps
 
 
-def _summaries(runs: dict[str, PolicyRun], concurrency: int, sat: float) -> dict[str, dict[str, Any]]:
-    """Each arm's summary in report order, with its speedup over sync (rollout seconds per step)."""
+def _summaries(
+    runs: dict[str, PolicyRun], concurrency: int, sat: float, group_size: int
+) -> dict[str, dict[str, Any]]:
+    """Each arm's summary in report order, with its speedup over sync and its ``speedup_note``."""
     summaries = {name: runs[name].summary(concurrency, sat) for name in ALL_POLICIES if name in runs}
-    base = summaries["sync"]["rollout_s_per_step"]
+    base = summaries["sync"]
     for s in summaries.values():
-        s["speedup"] = base / s["rollout_s_per_step"] if s["rollout_s_per_step"] > 0 else 0.0
+        s["speedup"], s["speedup_note"] = _speedup(s, base, group_size)
     return summaries
+
+
+def _speedup(arm: dict[str, Any], sync: dict[str, Any], group_size: int) -> tuple[float | None, str | None]:
+    """Sync's rollout seconds per step over the arm's, and a note when the arm trained a different
+    number of steps: fewer (it ran out of trace) gives no speedup, since its steps are not the ones
+    sync's mean is over; more (the sorted arms' whole SortedRL groups) gives the per-step speedup
+    over its own steps, and says so."""
+    n, n_sync = arm["steps"], sync["steps"]
+    if n < n_sync:
+        why = "the trace ran out" if arm["trace_used_up"] else "stopped early"
+        return None, f"{n} trained steps vs {n_sync} for sync ({why}): no speedup given"
+    per_step = arm["rollout_s_per_step"]
+    speedup = sync["rollout_s_per_step"] / per_step if per_step > 0 else None
+    if n > n_sync:
+        return speedup, (
+            f"{n} trained steps vs {n_sync} for sync (it runs whole SortedRL groups of {group_size} "
+            "steps): the speedup compares seconds per step"
+        )
+    return speedup, None
+
+
+def simulated_by(engine: RolloutEngine) -> str | None:
+    """What simulates ``engine`` (None: a real engine, whose seconds are measured)."""
+    return f"FakeEngine ({engine.timing_model})" if isinstance(engine, FakeEngine) else None
 
 
 def _report(
@@ -888,10 +922,13 @@ def _report(
 ) -> dict[str, Any]:
     """The benchmark's JSON report."""
     rc = cfg.rollout
-    summaries = _summaries(runs, engine.concurrency, sat)
+    summaries = _summaries(runs, engine.concurrency, sat, sizing.group_size)
     trace_stats = length_stats(records, rc.launched_responses)
     trained = set(runs["tail_batching"].trained_prompt_ids)
+    sim = simulated_by(engine)
     return {
+        "simulated": sim is not None,
+        "simulated_by": sim,
         "config": {
             "P0": rc.prompts_per_step,
             "R0": rc.responses_per_prompt,
@@ -967,29 +1004,44 @@ def _ratio(points: Sequence[ScalingPoint], a: int, b: int) -> float | None:
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """The human-readable summary printed by ``rollpacker bench rollout``."""
-    lines = _trace_and_scaling_lines(report)
-    lines.append("")
-    lines.extend(_policy_table_lines(report["policies"]))
-    lines.extend(_arm_notes_lines(report["policies"]))
-    lines.extend(_scaledown_lines(report))
-    lines.extend(_sortedrl_lines(report))
+    """The human-readable summary printed by ``rollpacker bench rollout``: a title saying whether
+    the seconds were simulated or measured, then tables at most ``MAX_COLUMNS`` wide, each with a
+    legend."""
+    lines = _title_lines(report)
+    lines += _trace_and_scaling_lines(report)
+    lines += ["", *_time_table_lines(report["policies"])]
+    lines += ["", *_token_table_lines(report["policies"])]
+    lines += _tail_batching_lines(report["policies"]["tail_batching"])
+    lines += _scaledown_lines(report)
+    lines += _sortedrl_lines(report)
     return "\n".join(lines)
+
+
+def _title_lines(report: dict[str, Any]) -> list[str]:
+    """The title: SIMULATED and by what, or measured on a real engine."""
+    if report["simulated"]:
+        text = (
+            f"rollout benchmark: SIMULATED on {report['simulated_by']}; no real decoding, so every "
+            "second below is the simulator's, not a measurement"
+        )
+    else:
+        text = "rollout benchmark: measured on a real engine (wall-clock seconds of real decoding)"
+    return [*wrap(text), ""]
 
 
 def _trace_and_scaling_lines(report: dict[str, Any]) -> list[str]:
     """The trace, the configuration and the engine's batch-scaling curve."""
     c = report["config"]
     t = report["trace"]
-    lines = [
+    lines = wrap(
         f"trace {t['source']}: {t['prompts']} prompts; response length max {t['max']:.0f}, "
-        f"P75 {t['p75']:.0f}, median {t['p50']:.0f}",
+        f"P75 {t['p75']:.0f}, median {t['p50']:.0f}"
+    )
+    lines += wrap(
         f"P0={c['P0']} R0={c['R0']} eta_p={c['eta_p']} eta_r={c['eta_r']} max_tokens={c['max_tokens']} "
-        f"concurrency Q={c['concurrency']} TP={c['tp_size']}",
-        "",
-        "engine batch scaling (decode):",
-        f"  {'batch':>6} {'tokens/s':>10} {'ms/step':>9}",
-    ]
+        f"concurrency Q={c['concurrency']} TP={c['tp_size']}"
+    )
+    lines += ["", "engine batch scaling (decode):", f"  {'batch':>6} {'tokens/s':>10} {'ms/step':>9}"]
     for p in report["batch_scaling"]:
         lines.append(f"  {p['batch']:>6} {p['tokens_per_s']:>10.0f} {p['step_ms']:>9.2f}")
     r = report.get("step_time_ratio_128_vs_1")
@@ -998,52 +1050,96 @@ def _trace_and_scaling_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _policy_table_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
-    """The per-policy table: a header, a rule and one row per arm."""
+_TIME_LEGEND = (
+    ("steps", "trained RL steps (each trains P0 prompts x R0 responses)"),
+    ("s/step", "rollout seconds per trained step"),
+    ("speedup", "sync's s/step / this arm's (> 1 = faster than sync); - = not comparable, see the note"),
+    (
+        "bubble",
+        "bubble ratio (SortedRL eq. 4): the share of the engine's Q request slots left idle over the "
+        "rollout; lower is better",
+    ),
+    (
+        "efficiency",
+        "(trained tokens / the saturated tokens/s of the batch-scaling curve) / rollout seconds; "
+        "100% = decoding trained tokens at full batch all the time",
+    ),
+    (
+        "lag mean",
+        "policy lag: updates between the weights that generated a trained token and the weights it "
+        "is trained from, token-weighted mean (0 = on-policy; one update per step)",
+    ),
+    ("lag max", "the largest policy lag of any trained token"),
+    ("off-policy", "the share of the trained tokens generated by an older policy (lag > 0)"),
+    ("max length", "the longest trained response of each step, in tokens, mean over the steps"),
+)
+
+
+def _time_table_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """Rollout time, speedup, bubble, efficiency and policy lag per arm; a note for each arm not
+    compared over sync's number of steps; the legend."""
     hdr = (
-        f"{'policy':<14} {'steps':>5} {'s/step':>8} {'speedup':>8} {'bubble':>7} {'effic.':>7} "
-        f"{'lag':>5} {'lag max':>7} {'off-pol':>7} "
-        f"{'generated':>10} {'useful':>9} {'wasted':>8} {'cached':>8} {'max len/step (mean)':>20}"
+        f"{'policy':<14}  {'steps':>5}  {'s/step':>7}  {'speedup':>7}  {'bubble':>6}  {'efficiency':>10}  "
+        f"{'lag mean':>8}  {'lag max':>7}  {'off-policy':>10}  {'max length':>10}"
     )
     lines = [hdr, "-" * len(hdr)]
     for name, s in policies.items():
         mx = s["max_len_per_step"]
+        speedup = "-" if s["speedup"] is None else f"{s['speedup']:.2f}x"
         lines.append(
-            f"{name:<14} {s['steps']:>5} {s['rollout_s_per_step']:>8.2f} {s['speedup']:>7.2f}x "
-            f"{s['bubble_ratio']:>7.1%} {s['efficiency']:>7.1%} "
-            f"{s['policy_lag']:>5.2f} {s['policy_lag_max']:>7} {s['off_policy_frac']:>7.1%} "
-            f"{s['tokens_generated']:>10} {s['tokens_useful']:>9} {s['tokens_wasted']:>8} "
-            f"{s['tokens_cached']:>8} {sum(mx) / max(1, len(mx)):>20.0f}"
-            + ("  (trace used up)" if s.get("trace_used_up") else "")
+            f"{name:<14}  {s['steps']:>5}  {s['rollout_s_per_step']:>7.2f}  {speedup:>7}  "
+            f"{s['bubble_ratio']:>6.1%}  {s['efficiency']:>10.1%}  {s['policy_lag']:>8.2f}  "
+            f"{s['policy_lag_max']:>7}  {s['off_policy_frac']:>10.1%}  {sum(mx) / max(1, len(mx)):>10.0f}"
         )
-    return lines
+    for name, s in policies.items():
+        if s["speedup_note"]:
+            lines += wrap(f"note: {name}: {s['speedup_note']}")
+    return lines + legend(_TIME_LEGEND)
 
 
-def _arm_notes_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
-    """Tail batching's round kinds and the buffered arms' resumed / cached / stale tokens."""
-    tb = policies["tail_batching"]
-    lines = [
+_TOKEN_LEGEND = (
+    ("generated", "tokens the engine decoded = useful + wasted + cached"),
+    ("trained", "tokens of the trained responses = useful + resumed"),
+    ("useful", "tokens generated and trained in the same step"),
+    ("wasted", "tokens generated, then thrown away (aborted or scavenged responses)"),
+    ("cached", "tokens generated and kept for a later step = resumed + left cached + dropped stale"),
+    ("resumed", "cached tokens trained in a later step"),
+    ("left cached", "cached tokens still in the rollout buffer when the arm ended"),
+    ("dropped stale", "cached tokens dropped by partial rollout's staleness bound (and regenerated)"),
+)
+
+
+def _token_table_lines(policies: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each arm's generated tokens went (totals over its own steps); the legend."""
+    keys = (
+        "tokens_generated",
+        "tokens_trained",
+        "tokens_useful",
+        "tokens_wasted",
+        "tokens_cached",
+        "tokens_resumed",
+        "tokens_left_cached",
+        "tokens_dropped_stale",
+    )
+    widths = [(key, max(9, len(term))) for key, (term, _) in zip(keys, _TOKEN_LEGEND, strict=True)]
+    hdr = f"{'policy':<14}" + "".join(
+        f"  {term:>{w}}" for (_, w), (term, _) in zip(widths, _TOKEN_LEGEND, strict=True)
+    )
+    lines = ["tokens per arm (totals over the arm's own steps):", hdr, "-" * len(hdr)]
+    for name, s in policies.items():
+        lines.append(f"{name:<14}" + "".join(f"  {s[key]:>{w}}" for key, w in widths))
+    return lines + legend(_TOKEN_LEGEND)
+
+
+def _tail_batching_lines(tb: dict[str, Any]) -> list[str]:
+    """Tail batching's round kinds."""
+    return [
         "",
-        f"tail batching: {tb['short_rounds']} short + {tb['long_rounds']} long rounds; "
-        f"P75 length per step {percentile(tb['p75_len_per_step'], 50):.0f} (median over steps)",
+        *wrap(
+            f"tail batching: {tb['short_rounds']} short + {tb['long_rounds']} long rounds; "
+            f"P75 length per step {percentile(tb['p75_len_per_step'], 50):.0f} (median over steps)"
+        ),
     ]
-    buffered = [k for k in ("sorted", "sorted_partial", "partial") if k in policies]
-    if buffered:
-        lines.append(
-            "buffered arms (lag = token-weighted policy-version lag of trained tokens, one update per "
-            "step): "
-            + "; ".join(
-                f"{k} {policies[k]['tokens_resumed']} resumed, "
-                f"{policies[k]['tokens_left_cached']} left cached"
-                + (
-                    f", {policies[k]['tokens_dropped_stale']} dropped as stale"
-                    if policies[k]["tokens_dropped_stale"]
-                    else ""
-                )
-                for k in buffered
-            )
-        )
-    return lines
 
 
 def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
@@ -1054,10 +1150,32 @@ def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
     m, pp = ref["measured"]["bubble_ratio"], ref["paper"]["bubble_ratio"]
     ours = ", ".join(f"{k} {v:.1%}" for k, v in m.items() if k != "baseline")
     return [
-        f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; paper (003 sec. 4.4.1) "
-        f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
-        f"sorted_partial {pp['sorted_partial']:.2%}"
+        "",
+        *wrap(
+            f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; paper (003 sec. 4.4.1) "
+            f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
+            f"sorted_partial {pp['sorted_partial']:.2%}"
+        ),
     ]
+
+
+_SCALEDOWN_LEGEND = (
+    ("rounds", "rounds the arm ran"),
+    ("scaled", "rounds that scaled down"),
+    ("done at", "mean share of the round's requests completed (|R_comp|/|R|) at the decision"),
+    ("freed", "replicas freed, summed over the rounds"),
+    ("migrated", "running requests moved from the freed replicas to the kept ones"),
+    (
+        "freed replica-s",
+        "freed replicas x (round end - decision), seconds: the time the trainer could have used",
+    ),
+    ("of rollout", "freed replica-s as a share of all replica-seconds of the rollout"),
+    (
+        "KV refused",
+        "attempts refused by the KV-fit criterion (the projected KV does not fit on the kept replicas)",
+    ),
+    ("pick aborted", "attempts with fewer than 2 replicas to split"),
+)
 
 
 def _scaledown_lines(report: dict[str, Any]) -> list[str]:
@@ -1066,18 +1184,23 @@ def _scaledown_lines(report: dict[str, Any]) -> list[str]:
     if not info:
         return []
     lo, hi, step = info["milestones"]
+    kv = (
+        f"{info['replica_kv_tokens']} KV tokens each ({info['kv_source']})"
+        if info["kv_checked"]
+        else "KV capacity unknown (the engine reports no KV usage; fit not checked)"
+    )
     lines = [
         "",
-        "scale-down: Algorithm 1's decision on this trace (computed on the rounds, not enacted: "
-        "no measured speedup)",
-        f"  layout: {info['replicas']} DP replicas x TP {info['tp_size']}, "
-        + (
-            f"{info['replica_kv_tokens']} KV tokens each ({info['kv_source']})"
-            if info["kv_checked"]
-            else "KV capacity unknown (the engine reports no KV usage; fit not checked)"
+        *wrap(
+            "scale-down: Algorithm 1's decision on this trace (computed on the rounds, not enacted: "
+            "no measured speedup)"
         ),
-        f"  milestones {lo:.0%}-{hi:.0%} of |R| every {step:.0%}; frees {info['fraction']:.0%} of the "
-        "replicas (whole replicas only)",
+        *wrap(f"layout: {info['replicas']} DP replicas x TP {info['tp_size']}, {kv}", indent="  "),
+        *wrap(
+            f"milestones {lo:.0%}-{hi:.0%} of |R| every {step:.0%}; frees {info['fraction']:.0%} of the "
+            "replicas (whole replicas only)",
+            indent="  ",
+        ),
     ]
     hdr = (
         f"  {'policy':<14} {'rounds':>6} {'scaled':>6} {'done at':>7} {'freed':>6} {'migrated':>8} "
@@ -1095,17 +1218,7 @@ def _scaledown_lines(report: dict[str, Any]) -> list[str]:
             f"{sd['requests_migrated']:>8} {sd['freed_replica_s']:>15.2f} {sd['freed_share']:>10.1%} "
             f"{sd['refused_kv']:>10} {sd['aborted_pick']:>12}"
         )
-    lines.append(
-        "  scaled = rounds that scaled down; done at = mean |R_comp|/|R| at the decision; freed = replicas"
-    )
-    lines.append(
-        "  freed, summed over rounds; freed replica-s = freed replicas x (round end - decision): time the"
-    )
-    lines.append(
-        "  trainer could have used; of rollout = its share of all replica-s; KV refused = attempts refused"
-    )
-    lines.append("  by the KV-fit criterion; pick aborted = attempts with fewer than 2 replicas to split")
-    return lines
+    return lines + legend(_SCALEDOWN_LEGEND, indent="  ")
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollpacker.bench.tables import MAX_COLUMNS, clip, legend, wrap
 from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout, TimeoutConfig
 from rollpacker.tasks import synthetic_code
@@ -226,21 +227,36 @@ def _sample(scored_id: str) -> str:
     return scored_id.split("/", 1)[1]
 
 
+_LEGEND = (
+    (
+        "timeout",
+        "fixed: every test case gets t_max; adaptive: min(max(t_min, lambda x anchor), t_max) per case",
+    ),
+    ("stage s", "reward-stage seconds over all the epochs"),
+    ("timeouts", "sandbox runs cut by their timeout"),
+    ("misjudged", "correct responses judged wrong"),
+    ("per epoch s", "reward-stage seconds of each epoch"),
+)
+
+
 def render(report: dict[str, Any]) -> str:
+    """Both timeout modes' reward-stage seconds, the speedup, a legend."""
     w = report["workload"]
-    lines = [
+    lines = wrap(
         f"workload: {w['problems']} problems x {w['responses_per_problem']} responses x {w['epochs']} epochs "
         f"({w['kinds']['correct']} correct, {w['kinds']['wrong']} wrong, {w['kinds']['doomed']} never "
-        f"terminate per epoch), {w['workers']} sandbox workers",
-        f"{'timeout':<10} {'stage s':>8} {'per epoch s':>22} {'timeouts':>8} {'misjudged':>9}",
-    ]
+        f"terminate per epoch), {w['workers']} sandbox workers"
+    )
+    hdr = f"{'timeout':<10}  {'stage s':>8}  {'timeouts':>8}  {'misjudged':>9}  per epoch s"
+    lines += [hdr, "-" * len(hdr)]
+    room = MAX_COLUMNS - len(hdr) + len("per epoch s")
     for mode, m in report["modes"].items():
-        per = ", ".join(f"{x:.1f}" for x in m["per_epoch_s"])
+        per = clip(", ".join(f"{x:.1f}" for x in m["per_epoch_s"]), room)
         bad = len(m["misjudged_correct"])
-        lines.append(f"{mode:<10} {m['reward_stage_s']:>8.1f} {per:>22} {m['timeouts']:>8} {bad:>9}")
+        lines.append(f"{mode:<10}  {m['reward_stage_s']:>8.1f}  {m['timeouts']:>8}  {bad:>9}  {per}")
     bad = len(report["modes"]["adaptive"]["misjudged_correct"]) + len(report["verdicts_differ"])
-    lines.append(
+    lines += wrap(
         f"speedup (fixed / adaptive): {report['speedup']:.2f}x; correct responses misjudged: "
         f"{'none' if report['no_correct_misjudged'] else bad}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + legend(_LEGEND))

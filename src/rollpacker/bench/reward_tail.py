@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.config import ExperimentConfig, apply_overrides, config_from_text, resolve_config
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import TaskExample
@@ -368,22 +369,44 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
+_LEGEND = (
+    (
+        "anchors",
+        "no_reference: anchors from finished responses only; reference: reference solutions timed first",
+    ),
+    ("tail s", "reward seconds left after rollout ended (reward/tail_s), summed over the steps"),
+    (
+        "sync stage s",
+        "seconds a synchronous reward stage took on the same responses (reward/sync_stage_s), summed",
+    ),
+    ("cut", "responses cut by their adaptive timeout"),
+    ("correct cut", "cut responses that pass when run again alone at t_max: misjudged (- = not verified)"),
+    ("refs", "reference solutions timed into anchors"),
+)
+
+
 def render(report: dict[str, Any]) -> str:
+    """The arms' tails against the synchronous stage, a line of per-step seconds per arm, a legend."""
     w = report["workload"]
     sb = w["sandbox"]
-    lines = [
+    kinds = ", ".join(f"{n} {k}" for k, n in w["kinds"].items())
+    lines = wrap(
         f"workload: {report['config']['steps']} steps x {w['prompts_per_step']} prompts x "
-        f"{w['responses_per_prompt']} responses of {w['task']} ({w['kinds']}); sandbox workers "
-        f"{sb['workers']}, lambda {sb['lam']}, t_min {sb['t_min_s']} s, t_max {sb['t_max_s']} s",
-        f"{'anchors':<13} {'tail s (per step)':>28} {'sync stage s':>24} {'cut':>4} "
-        f"{'correct cut':>11} {'refs':>5}",
-    ]
+        f"{w['responses_per_prompt']} responses of {w['task']} ({kinds}); sandbox workers "
+        f"{sb['workers']}, lambda {sb['lam']}, t_min {sb['t_min_s']} s, t_max {sb['t_max_s']} s"
+    )
+    hdr = (
+        f"{'anchors':<13}  {'tail s':>8}  {'sync stage s':>12}  {'cut':>4}  {'correct cut':>11}  {'refs':>5}"
+    )
+    lines += [hdr, "-" * len(hdr)]
+    for name, a in report["arms"].items():
+        cc = "-" if a["correct_cut"] is None else str(a["correct_cut"])
+        lines.append(
+            f"{name:<13}  {a['tail_s_total']:>8.2f}  {a['sync_stage_s_total']:>12.1f}  {a['cut']:>4}  "
+            f"{cc:>11}  {int(a['reference_runs']):>5}"
+        )
     for name, a in report["arms"].items():
         tails = ", ".join(f"{x:.2f}" for x in a["tail_s"])
         syncs = ", ".join(f"{x:.1f}" for x in a["sync_stage_s"])
-        cc = "-" if a["correct_cut"] is None else str(a["correct_cut"])
-        lines.append(
-            f"{name:<13} {a['tail_s_total']:>6.2f} ({tails}) {a['sync_stage_s_total']:>6.1f} ({syncs}) "
-            f"{a['cut']:>4} {cc:>11} {int(a['reference_runs']):>5}"
-        )
-    return "\n".join(lines)
+        lines += wrap(f"{name} per step: tail s {tails}; sync stage s {syncs}")
+    return "\n".join(lines + legend(_LEGEND))

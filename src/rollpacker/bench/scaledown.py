@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.errors import ConfigError
 from rollpacker.experiment import train_arm, train_config
 from rollpacker.tracking import ExperimentTracker
@@ -220,12 +221,28 @@ def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 
+_LEGEND = (
+    ("arm", "off / on: Algorithm 1's scale-down disabled / enabled (the same tail-batching arm otherwise)"),
+    ("run", "the repeat (runs in ABBA order: off, on, on, off, ...)"),
+    ("step s", "the RL step's seconds (step/time_s)"),
+    ("rollout s", "the rollout's seconds (rollout/time_s)"),
+    ("train s", "the training stage's seconds (stage/train_s)"),
+    ("finish s", "the stream trainer's finish, the part of training rollout did not hide (train/time_s)"),
+    ("overlap s", "gradient seconds that overlapped rollout (train/overlap_s)"),
+    ("devices", "devices lent to the trainer, time-weighted from its begin to the give-back (train/devices)"),
+    ("scaled at", "the share of the round's requests completed when it scaled down (- = it did not)"),
+    ("lent s", "seconds the freed devices were lent to the trainer (train/repurposed_s)"),
+)
+
+
 def render(report: dict[str, Any]) -> str:
-    """A table: per arm and step, the step, rollout and train seconds and the trainer's devices."""
-    lines = [
+    """A table: per arm and step, the step, rollout and train seconds and the trainer's devices;
+    the paired and mean effects; a legend."""
+    hdr = (
         f"{'arm':<4} {'run':>3} {'step':>4} {'step s':>7} {'rollout s':>9} {'train s':>8} {'finish s':>8} "
         f"{'overlap s':>9} {'devices':>7} {'scaled at':>9} {'lent s':>7}"
-    ]
+    )
+    lines = [hdr, "-" * len(hdr)]
     for arm, a in report["arms"].items():
         for m in a["per_step"]:
             at = m.get("rollout/scaled_down_at")
@@ -238,16 +255,16 @@ def render(report: dict[str, Any]) -> str:
                 f"{m.get('train/repurposed_s', 0.0):>7.2f}"
             )
     for k, e in report.get("paired", {}).items():
-        lines.append(
+        lines += wrap(
             f"paired {k}: on - off {e['mean_on_minus_off']:+.3f} s (sd {e['sd']:.3f}), "
             f"on faster in {int(e['on_faster_steps'])} of {int(e['steps'])} steps"
         )
     for k, e in report.get("effect", {}).items():
-        lines.append(
+        lines += wrap(
             f"mean {k}: off {e['off']:.3f}, on {e['on']:.3f} "
             f"({e['on_minus_off']:+.3f}; off/on {e['off_over_on']:.3f}x)"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + legend(_LEGEND))
 
 
 def plot(report: dict[str, Any], out: Path) -> Path:

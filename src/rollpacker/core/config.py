@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 import re
 import types
 import typing
@@ -614,7 +615,7 @@ def shipped_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(SHIPPED_CONFIGS.glob("*.yaml"))}
 
 
-def resolve_config(value: str | Path) -> Path:
+def resolve_config(value: str | os.PathLike[str]) -> Path:
     """The absolute path of a ``--config`` value: an existing YAML file, or a shipped config by
     name (``default``, ``default.yaml`` or ``configs/default.yaml``, which work from any directory).
     Anything else raises ``ConfigError`` naming the absolute path and the shipped names."""

@@ -92,6 +92,14 @@ class FakeEngine:
     def eos_token_id(self) -> int:
         return self._eos
 
+    @property
+    def timing_model(self) -> str:
+        """Where this simulator's seconds come from, in words (not part of the port)."""
+        if self._step_time is not None:
+            return "virtual clock, step seconds from a given step-time model"
+        base_ms, per_seq_ms = 1e3 * self._base_s, 1e3 * self._per_seq_s
+        return f"virtual clock, step = {base_ms:.4g} ms + {per_seq_ms:.4g} ms x running requests"
+
     def now(self) -> float:
         return self._clock
 
