@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "rollpacker.devservices": 1,
     # test support shipped with the package (fault injection), loaded by name through stages.hooks
     "rollpacker.testing": 1,
+    "rollpacker.logs": 1,  # library output to a log file, progress to the terminal
     "rollpacker.services": 2,
     "rollpacker.stages": 3,
     # The KFP components call the stages (through stages.edge); the pipelines wire the components.

@@ -400,10 +400,12 @@ def train(
     trainer's one update per step, weights pushed in place. The state goes to the config's store
     (default: <out_dir>/store), metrics and plots to MLflow (default: a SQLite file)."""
     from rollpacker.experiment import train_arm, train_config
+    from rollpacker.logs import library_output_to, log_path
 
     try:
         text, cfg = train_config(_config(config), _parse_sets(set_))
-        s = train_arm(text, resume=resume, fresh=fresh)
+        with library_output_to(log_path(cfg, cfg.arm_names[0])):
+            s = train_arm(text, resume=resume, fresh=fresh)
     except RollpackerError as e:
         _fail(e)
         return
@@ -806,17 +808,21 @@ def run_cmd(
     services (SeaweedFS S3, MLflow server, Ray head) are started when the config points at
     127.0.0.1 and none runs, and stopped again at the end.
     """
+    from rollpacker.core.config import load_config
     from rollpacker.experiment import run_experiment
+    from rollpacker.logs import library_output_to, log_path
 
     try:
-        out = run_experiment(
-            _config(config),
-            runner=runner,
-            arms=arm or None,
-            retries=retries,
-            start_services=not no_services,
-            fresh=fresh,
-        )
+        path = _config(config)
+        with library_output_to(log_path(load_config(path), "run")):
+            out = run_experiment(
+                path,
+                runner=runner,
+                arms=arm or None,
+                retries=retries,
+                start_services=not no_services,
+                fresh=fresh,
+            )
     except RollpackerError as e:
         _fail(e)
         return

@@ -40,6 +40,7 @@ from rollpacker.core.config import (
     resolve_config,
 )
 from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray
 from rollpacker.stages.context import StageContext
@@ -93,7 +94,7 @@ def run_experiment(
     echo: Callable[[str], None] | None = None,
     fresh: bool = False,
 ) -> ExperimentOutcome:
-    err = sys.stderr  # bound now: kfp.local's run redirects sys.stderr into its log
+    err = console()  # bound now: kfp.local's run redirects sys.stderr into its log
     say = echo or (lambda s: print(s, file=err, flush=True))
     if runner not in ("kfp", "inline"):
         raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
@@ -209,7 +210,7 @@ def reset_arms(cfg: ExperimentConfig, arms: Sequence[str], say: Callable[[str], 
         run = tracker.find_arm_run(a)
         if run is not None:
             tracker.client.delete_run(run)  # the arm starts a new MLflow run
-        say(f"[{a}] --fresh: deleted {n} objects and the arm's MLflow run")
+        say(f"[{a}] --fresh: deleted {n} objects" + (f" and MLflow run {run}" if run else ""))
 
 
 # -- one arm in this process: `rollpacker train`, `bench learning` --------------------------------
@@ -283,25 +284,24 @@ def train_arm(
 
     cfg = config_from_text(text)
     (arm,) = cfg.arm_names
-    say = say or (lambda s: print(s, file=sys.stderr, flush=True))
+    say = say or (lambda s: print(s, file=console(), flush=True))
     store = open_store(cfg.store)
     store.check()
     states = StateStore(store, cfg.experiment, arm)
-    ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
+    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    tracker.check()
     if fresh:
         reset_arms(cfg, [arm], say)
-    elif states.latest() is not None and not resume:
-        raise ConfigError(
-            f"arm {arm!r} of experiment {cfg.experiment!r} already has committed steps in "
-            f"{store.uri(states.prefix)}: pass --resume to continue it or --fresh to "
-            "start it over"
-        )
+    else:
+        _check_rerun(states, tracker, resume, say)
     t0 = time.perf_counter()
     done, left = remaining_steps(cfg, arm)
     if done < 0:
         prepare_model(cfg, quiet=not progress)  # the warm-up's own bar (cached after the first run)
     ctx = StageContext.create(text, arm, "inline")
-    bar = tqdm(total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress)
+    bar = tqdm(
+        total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress, file=console()
+    )
     try:
         for _ in range(left):
             out = run_step(ctx)
@@ -311,6 +311,38 @@ def train_arm(
         bar.close()
         ctx.services.kill_all()
     return summarize_arm(cfg, arm, steps_run=left, wall_s=time.perf_counter() - t0)
+
+
+def _check_rerun(
+    states: StateStore, tracker: ExperimentTracker, resume: bool, say: Callable[[str], None]
+) -> None:
+    """An arm that ran before goes on only as asked: its committed state with ``resume``; its MLflow
+    run (one per arm: a new run would log into it) only when that run committed no step, and then
+    saying so. Otherwise a ConfigError says what is there and what to pass."""
+    arm, where = states.arm, f"experiment {states.experiment!r}"
+    latest = states.latest()
+    if latest is not None:
+        if resume:
+            return
+        n = latest.step + 1
+        done = f"committed {n} step(s)" if n else "started (no step committed yet)"
+        raise ConfigError(
+            f"arm {arm!r} of {where} already {done} in {states.store.uri(states.prefix)} (MLflow run "
+            f"{latest.mlflow_run_id}): pass --resume to continue it or --fresh to start it over"
+        )
+    run = tracker.find_arm_run(arm)
+    if run is None:
+        return
+    pointer = tracker.state_pointer(run)
+    if pointer is None:
+        say(f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step")
+        return
+    raise ConfigError(
+        f"arm {arm!r} of {where} has MLflow run {run} (tracking_uri = {tracker.tracking_uri!r}) with "
+        f"{pointer[1] + 1} committed step(s), but their state ({pointer[0]}) is not in this store "
+        f"({states.store.uri(states.prefix)}), and a new start would log into that run: point `store` "
+        "(or `out_dir`) at that state and pass --resume, or pass --fresh to delete the run and start over"
+    )
 
 
 def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: float = 0.0) -> TrainSummary:

@@ -19,7 +19,6 @@ import contextlib
 import io
 import logging
 import re
-import sys
 import textwrap
 import time
 import warnings
@@ -30,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
+from rollpacker import logs
 from rollpacker.core.errors import RollpackerError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -155,7 +155,7 @@ def run_arm_kfp(
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise RollpackerError(f"steps = {steps!r}: run at least one step")
-    out = sys.stderr
+    out = logs.console()  # the terminal, also while the libraries' output goes to a log file
     say = echo or (lambda s: print(s, file=out, flush=True))
     pipeline = build_pipelines(steps)["rl_experiment"]
     pipeline_root = pipeline_root.resolve()

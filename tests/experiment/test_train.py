@@ -56,6 +56,62 @@ def test_a_training_arm_is_the_policy_with_a_local_store(tmp_path):
     assert s3.store.endpoint == "127.0.0.1:9"  # a store the config names is kept
 
 
+class _Started(Exception):
+    """Raised where a training start would build the model: the re-run checks are behind it."""
+
+
+def test_a_rerun_without_resume_never_logs_into_an_earlier_run_silently(tmp_path, monkeypatch):
+    """One MLflow run per arm: a start without --resume goes on in the arm's run only when that run
+    committed no step (and says so); otherwise it says what is there and what to pass."""
+    from mlflow.entities import ViewType
+
+    from rollpacker.core.state import ControllerState
+    from rollpacker.experiment import train_arm, train_config
+    from rollpacker.store import open_store
+    from rollpacker.store.state_store import StateStore
+    from rollpacker.tracking import ExperimentTracker
+
+    def started(*_a, **_k):
+        raise _Started
+
+    monkeypatch.setattr("rollpacker.experiment.prepare_model", started)
+    f, base = _config(tmp_path)
+    text, cfg = train_config(f, base)
+    (arm,) = cfg.arm_names
+    tr = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    said: list[str] = []
+
+    # an earlier start made the arm's MLflow run and died before committing anything: reused, said
+    run = tr.arm_run(arm, {"rollout.policy": "tail_batching"})
+    with pytest.raises(_Started):
+        train_arm(text, progress=False, say=said.append)
+    assert said == [
+        f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step"
+    ]
+
+    # ... and committed its initial state (step -1) first
+    states = StateStore(open_store(cfg.store), cfg.experiment, arm)
+    states.init(ControllerState(cfg.experiment, arm, -1, 0, 0, 0, mlflow_run_id=run))
+    with pytest.raises(ConfigError, match=rf"started \(no step committed yet\).*{run}.*--resume.*--fresh"):
+        train_arm(text, progress=False)
+    with pytest.raises(_Started):
+        train_arm(text, progress=False, resume=True)
+
+    # the run committed steps whose state is not in this store (another out_dir, a deleted store)
+    states.reset()
+    tr.set_state_pointer(run, "file:///elsewhere/state/step-000004.json", 4)
+    with pytest.raises(ConfigError, match=rf"{run}.*5 committed step\(s\).*elsewhere.*--resume.*--fresh"):
+        train_arm(text, progress=False)
+    with pytest.raises(ConfigError, match="not in this store"):
+        train_arm(text, progress=False, resume=True)
+    said.clear()
+    with pytest.raises(_Started):
+        train_arm(text, progress=False, fresh=True, say=said.append)
+    assert said == [f"[{arm}] --fresh: deleted 0 objects and MLflow run {run}"]
+    runs = tr.client.search_runs([tr.experiment_id], run_view_type=ViewType.ALL)
+    assert [r.info.run_id for r in runs] == [run]  # no second run: the new one is made by the first step
+
+
 @pytest.mark.slow
 def test_train_logs_to_mlflow_commits_state_and_resumes(tmp_path):
     from mlflow.tracking import MlflowClient

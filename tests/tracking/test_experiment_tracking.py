@@ -242,6 +242,20 @@ def test_compare_shows_the_off_policy_lag_of_each_arm(uri, request) -> None:
     assert "train/policy_lag mean" in table and "1.000" in table
 
 
+def test_compare_says_when_the_arms_ran_different_numbers_of_steps(uri, request) -> None:
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    _fill_arm(tr, "sync", step_s=10.0, rollout_s=8.0, n=4)
+    _fill_arm(tr, "partial", step_s=6.0, rollout_s=3.0, n=2)
+    r = compare(uri, exp)
+    assert (r.arm("sync").steps, r.arm("partial").steps) == (4, 2)
+    note = (
+        "the arms ran different numbers of steps (sync 4, partial 2): each mean is over the arm's own steps"
+    )
+    assert r.notes == [note]
+    assert f"note: {note}" in r.render().splitlines()
+
+
 def test_compare_without_the_baseline_arm_omits_speedups(uri, request) -> None:
     exp = _exp(request)
     tr = ExperimentTracker(uri, exp)
@@ -254,6 +268,43 @@ def test_compare_without_the_baseline_arm_omits_speedups(uri, request) -> None:
     assert "baseline" in r.render()
 
 
+def test_train_arms_compare_against_the_one_arm_of_the_baseline_policy(uri, request) -> None:
+    """`rollpacker train` names its arm <policy>-seed<seed>: the default baseline `sync` is the one
+    arm that runs that policy."""
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    for arm, policy in (("sync-seed0", "sync"), ("tail_batching-seed0", "tail_batching")):
+        tr.arm_run(arm, {"rollout.policy": policy})
+    _fill_arm(tr, "sync-seed0", step_s=10.0, rollout_s=8.0)
+    _fill_arm(tr, "tail_batching-seed0", step_s=5.0, rollout_s=2.0)
+    r = compare(uri, exp)
+    assert r.baseline == "sync-seed0" and r.notes == []
+    assert r.arm("tail_batching-seed0").speedup_step == pytest.approx(2.0)
+    tr.arm_run("sync-seed1", {"rollout.policy": "sync"})  # two sync arms: name one with --baseline
+    assert compare(uri, exp).arm("tail_batching-seed0").speedup_step is None
+    assert compare(uri, exp, baseline="sync-seed1").baseline == "sync-seed1"
+
+
+def test_compare_without_arm_runs_says_what_to_run_and_logs_nothing(uri, request, tmp_path) -> None:
+    from mlflow.entities import ViewType
+    from typer.testing import CliRunner
+
+    from rollpacker.cli import app
+    from rollpacker.tracking import CompareReport
+
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    exp_id = tr.check()
+    tr.client.delete_run(tr.arm_run("sync", {}))  # an arm run started over with --fresh, say
+    with pytest.raises(ConfigError, match=r"no arm runs.*rollpacker run --config.*rollpacker train"):
+        compare(uri, exp)
+    with pytest.raises(ConfigError, match="no arm runs"):
+        log_compare(CompareReport(exp, uri, "sync", []), uri, exp)
+    res = CliRunner().invoke(app, ["compare", exp, "--tracking-uri", uri])
+    assert res.exit_code == 2 and "no arm runs" in res.output
+    assert len(tr.client.search_runs([exp_id], run_view_type=ViewType.ALL)) == 1  # the deleted arm run
+
+
 def test_render_is_an_aligned_table_with_both_arms(uri, request) -> None:
     exp = _exp(request)
     tr = ExperimentTracker(uri, exp)
@@ -261,7 +312,7 @@ def test_render_is_an_aligned_table_with_both_arms(uri, request) -> None:
     _fill_arm(tr, "tail_batching", step_s=5.0, rollout_s=2.0)
     text = compare(uri, exp).render()
     lines = text.splitlines()
-    table = lines[2:]
+    table = lines[lines.index("") + 1 : lines.index("legend:") - 1]  # the title may wrap
     assert "sync" in table[0] and "tail_batching" in table[0]
     assert len({len(line) for line in table}) == 1  # every row as wide as the header
     row = next(line for line in table if line.startswith("speedup step/time_s"))

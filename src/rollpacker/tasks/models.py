@@ -14,6 +14,7 @@ from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import TaskExample, split
 from rollpacker.core.types import Prompt
+from rollpacker.logs import console
 
 # the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
 CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
@@ -57,8 +58,9 @@ def model_identity(cfg: ExperimentConfig) -> str:
 
 
 def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
-    """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached)."""
-    from rollpacker.tasks.warmup import warm_up
+    """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached; unless
+    ``quiet``, a bar while it trains or one line when it is cached, to ``logs.console()``)."""
+    from rollpacker.tasks.warmup import cached_warm_up, warm_up
 
     if cfg.model.model_dir:
         p = Path(cfg.model.model_dir)
@@ -72,8 +74,18 @@ def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
     from tqdm import tqdm
 
     spec = warmup_spec(cfg)
+    cached = cached_warm_up(spec)
+    if cached is not None:
+        if not quiet:
+            print(f"warm-up: cached ({cached})", file=console(), flush=True)
+        return cached
     bar = tqdm(
-        total=spec.steps, desc="warm-up (cached after the first run)", unit="step", disable=quiet, leave=False
+        total=spec.steps,
+        desc="warm-up (cached after the first run)",
+        unit="step",
+        disable=quiet,
+        leave=False,
+        file=console(),
     )
 
     def progress(step: int, loss: float) -> None:

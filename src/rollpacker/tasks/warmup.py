@@ -90,8 +90,7 @@ def warm_up(
     ``progress(step, loss)`` is called after each optimizer step.
     """
     spec = spec or WarmupSpec()
-    root = (cache_dir or default_cache_dir()) / "models"
-    out = root / f"warm-{spec.model}-{spec.key()}"
+    out = _warmup_dir(spec, cache_dir)
     if (out / "warmup.json").is_file() and not force:
         return out
     base = build_tiny_model(spec.model, cache_dir=cache_dir)
@@ -101,6 +100,16 @@ def warm_up(
         (tmp / "warmup.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
 
     return publish_dir(out, build)
+
+
+def cached_warm_up(spec: WarmupSpec, cache_dir: Path | None = None) -> Path | None:
+    """The directory of the warmed-up model for ``spec`` if the cache holds it, else None."""
+    out = _warmup_dir(spec, cache_dir)
+    return out if (out / "warmup.json").is_file() else None
+
+
+def _warmup_dir(spec: WarmupSpec, cache_dir: Path | None) -> Path:
+    return (cache_dir or default_cache_dir()) / "models" / f"warm-{spec.model}-{spec.key()}"
 
 
 def _train(
