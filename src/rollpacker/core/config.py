@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.scaledown import ScaleDownConfig
@@ -127,6 +128,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     dtype: str = "float32"
+    speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
         _positive_int("engine.max_num_seqs", self.max_num_seqs)

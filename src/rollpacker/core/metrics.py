@@ -72,6 +72,16 @@ class RolloutMetrics:
     policy_lag: float = 0.0  # token-weighted version lag of the trained tokens
     policy_lag_max: int = 0
     off_policy_frac: float = 0.0  # fraction of trained tokens from an older version
+    # speculative decoding of the tail (engine.speculation; 0 when off)
+    spec_steps: int = 0  # engine steps that verified drafted tokens
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_s: float = 0.0  # seconds spent drafting
+
+    @property
+    def spec_acceptance(self) -> float:
+        """The share of drafted tokens the target model accepted (0 when nothing was drafted)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     def as_dict(self) -> dict[str, float | int | str]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -94,6 +104,12 @@ class RolloutMetrics:
             "rollout/policy_lag": self.policy_lag,
             "rollout/policy_lag_max": float(self.policy_lag_max),
             "rollout/off_policy_frac": self.off_policy_frac,
+            "rollout/spec_steps": float(self.spec_steps),
+            "rollout/spec_acceptance": self.spec_acceptance,
+            "rollout/spec_accepted_per_step": (
+                self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
+            ),
+            "rollout/spec_draft_s": self.spec_draft_s,
         }
 
 
@@ -180,4 +196,8 @@ def rollout_metrics(
         policy_lag=lag.mean,
         policy_lag_max=lag.max,
         off_policy_frac=lag.off_policy_frac,
+        spec_steps=sum(1 for s in steps if s.spec_draft_tokens),
+        spec_draft_tokens=sum(s.spec_draft_tokens for s in steps),
+        spec_accepted_tokens=sum(s.spec_accepted_tokens for s in steps),
+        spec_draft_s=sum(s.spec_draft_s for s in steps),
     )

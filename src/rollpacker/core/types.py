@@ -157,6 +157,11 @@ class EngineStepStats:
     num_waiting: int
     num_preemptions_total: int  # cumulative counter since engine start
     kv_cache_usage: float  # fraction of KV blocks in use after the step, 0..1
+    # speculative decoding (engine.speculation): tokens drafted and verified in this step, drafted
+    # tokens the target model accepted, and the seconds spent drafting after it
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_draft_s: float = 0.0
 
 
 @dataclass(frozen=True)

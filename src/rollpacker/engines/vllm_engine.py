@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollpacker.core.config import EngineConfig
+from rollpacker.core.drafts import StepCurve
 from rollpacker.core.errors import EngineError
 from rollpacker.core.types import (
     EngineStepStats,
@@ -83,14 +84,26 @@ class _StatsCollector:
         self.num_waiting = 0
         self.kv_cache_usage = 0.0
         self.preemptions = 0
+        self.spec_draft_tokens = 0  # since the last take_spec()
+        self.spec_accepted_tokens = 0
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
             self.num_running = int(scheduler_stats.num_running_reqs)
             self.num_waiting = int(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                self.spec_draft_tokens += int(spec.num_draft_tokens)
+                self.spec_accepted_tokens += int(spec.num_accepted_tokens)
         if iteration_stats is not None:
             self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+
+    def take_spec(self) -> tuple[int, int]:
+        """(drafted, accepted) tokens verified since the last call."""
+        out = (self.spec_draft_tokens, self.spec_accepted_tokens)
+        self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        return out
 
 
 def _make_logger_factory(collector: _StatsCollector) -> Any:
@@ -128,10 +141,20 @@ def _set_vllm_env(cfg: EngineConfig, in_process: bool) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 
 
-def _start_llm_engine(model_dir: Path, cfg: EngineConfig, collector: _StatsCollector) -> LLMEngine:
+def _start_llm_engine(
+    model_dir: Path, cfg: EngineConfig, collector: _StatsCollector, step_curve: StepCurve | None = None
+) -> LLMEngine:
     """A ``vllm.LLMEngine`` for ``cfg`` reporting its stats to ``collector``; an ``EngineError``
-    naming the config when vLLM fails to start."""
+    naming the config when vLLM fails to start. With ``engine.speculation.enabled`` it drafts with
+    ``engines/speculation.py`` (``step_curve``: the decode step-time curve its adaptive rule uses)."""
     from vllm import EngineArgs, LLMEngine
+
+    speculative: dict[str, Any] | None = None
+    if cfg.speculation.enabled:
+        from rollpacker.engines.speculation import ENV, speculation_env, vllm_speculative_config
+
+        os.environ[ENV] = speculation_env(cfg.speculation, step_curve)  # an engine core process inherits it
+        speculative = vllm_speculative_config(cfg.speculation)
 
     args = EngineArgs(
         model=str(model_dir),
@@ -147,6 +170,7 @@ def _start_llm_engine(model_dir: Path, cfg: EngineConfig, collector: _StatsColle
         # Behaviour logprobs after temperature (what the token was sampled from), so the
         # trainer's PPO ratio compares like with like at any temperature.
         logprobs_mode="processed_logprobs",
+        speculative_config=speculative,
     )
     try:
         return LLMEngine.from_engine_args(args, stat_loggers=[_make_logger_factory(collector)])
@@ -161,7 +185,9 @@ def _start_llm_engine(model_dir: Path, cfg: EngineConfig, collector: _StatsColle
 class VLLMEngine:
     """A vLLM ``LLMEngine`` behind the rollout engine port."""
 
-    def __init__(self, cfg: EngineConfig, in_process: bool = True) -> None:
+    def __init__(
+        self, cfg: EngineConfig, in_process: bool = True, step_curve: StepCurve | None = None
+    ) -> None:
         model_dir = check_model_dir(cfg.model_dir)
         self.cfg = cfg
         _set_vllm_env(cfg, in_process)
@@ -169,7 +195,9 @@ class VLLMEngine:
         self._in_process = in_process
         self._weights_dir: str | None = None
         t0 = time.perf_counter()
-        self._engine = _start_llm_engine(model_dir, cfg, self._collector)
+        self._engine = _start_llm_engine(model_dir, cfg, self._collector, step_curve)
+        self._proposer = self._find_proposer() if cfg.speculation.enabled and in_process else None
+        self._draft_s = 0.0
         self.startup_s = time.perf_counter() - t0
         # An engine core in its own process runs ahead of this client (it keeps stepping while we
         # process outputs), so wall time around step() is not the engine's step time. Each batch
@@ -187,6 +215,18 @@ class VLLMEngine:
         self._live: set[str] = set()
         self._used: set[str] = set()
         self._max_len = cfg.max_model_len
+
+    @staticmethod
+    def _find_proposer() -> Any:
+        """The draft proposer vLLM built in this process for this engine (the newest)."""
+        from rollpacker.engines.speculation import PROPOSERS
+
+        return PROPOSERS[-1] if PROPOSERS else None
+
+    def speculation_stats(self) -> dict[str, float]:
+        """The in-process proposer's counters (seconds drafting, steps speculated, ...); empty when
+        speculation is off or the engine core runs in another process."""
+        return self._proposer.stats.as_dict() if self._proposer is not None else {}
 
     def _stamp_core_outputs(self) -> None:
         """Wrap the engine core client's ``get_output`` to keep the core's timestamp of each batch."""
@@ -295,6 +335,11 @@ class VLLMEngine:
                 )
             )
         c = self._collector
+        drafted, accepted = c.take_spec()
+        draft_s = 0.0
+        if self._proposer is not None:
+            draft_s = self._proposer.stats.propose_s - self._draft_s
+            self._draft_s = self._proposer.stats.propose_s
         stats = EngineStepStats(
             start_s=start,
             duration_s=duration,
@@ -302,6 +347,9 @@ class VLLMEngine:
             num_waiting=c.num_waiting,
             num_preemptions_total=c.preemptions,
             kv_cache_usage=c.kv_cache_usage,
+            spec_draft_tokens=drafted,
+            spec_accepted_tokens=accepted,
+            spec_draft_s=draft_s,
         )
         return updates, stats
 

