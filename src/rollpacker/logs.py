@@ -109,7 +109,9 @@ def _swap_handler_streams(to: dict[int, TextIO]) -> None:
     loggers = [logging.getLogger(), *logging.root.manager.loggerDict.values()]
     for lg in loggers:
         for h in getattr(lg, "handlers", ()):
-            if isinstance(h, logging.StreamHandler) and id(h.stream) in to:
+            # logging's last-resort handler reads sys.stderr each time (no setter): it follows
+            last_resort = isinstance(h, type(logging.lastResort))
+            if isinstance(h, logging.StreamHandler) and not last_resort and id(h.stream) in to:
                 h.setStream(to[id(h.stream)])
 
 

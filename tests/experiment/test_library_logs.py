@@ -60,3 +60,15 @@ def test_a_failure_in_the_block_names_the_log_again(tmp_path, capfd) -> None:
         pass
     _, err = capfd.readouterr()
     assert err.count(str(log)) == 2 and "up to the failure" in err
+
+
+def test_a_logger_holding_the_last_resort_handler_does_not_break_the_block(tmp_path) -> None:
+    """Some libraries attach ``logging.lastResort`` (a stderr handler whose stream has no setter);
+    it follows sys.stderr by itself, so the block leaves it alone instead of failing."""
+    lib = logging.getLogger("test_library_logs.last_resort")
+    lib.addHandler(logging.lastResort)
+    try:
+        with library_output_to(tmp_path / "x.log"):
+            pass
+    finally:
+        lib.removeHandler(logging.lastResort)
