@@ -148,7 +148,8 @@ def _run_arm(
             if left == 0:
                 say(f"[{arm}] all {cfg.steps} steps committed")
                 return ArmOutcome(arm, ran, failures, time.perf_counter() - t0, done)
-            say(f"[{arm}] committed through step {done}; running {left} more step(s) ({runner})")
+            again = "" if done < 0 else "; --fresh would start it over"
+            say(f"[{arm}] committed through step {done}; running {left} more step(s) ({runner}){again}")
             try:
                 if runner == "kfp":
                     run_arm_kfp(text, arm, left, root, echo=say)
