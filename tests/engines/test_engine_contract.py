@@ -65,6 +65,7 @@ def _drain(engine, reqs):
         ups, stats = engine.step()
         running.append(stats.num_running)
         assert stats.duration_s >= 0
+        assert stats.new_tokens == sum(len(u.new_token_ids) for u in ups)
         for u in ups:
             assert u.request_id not in reasons, "update after finish"
             toks[u.request_id].extend(u.new_token_ids)

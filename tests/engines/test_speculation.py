@@ -219,3 +219,24 @@ def test_the_proposer_reads_its_settings_from_the_environment(monkeypatch: pytes
     got, got_curve = speculation._load_env()
     assert got == cfg and got_curve == curve
     assert json.loads(speculation.speculation_env(cfg, None))["config"]["sources"] == ["ngram"]
+
+
+def test_remembered_history_drafts_a_new_group_of_its_prompt(
+    plain: Any, speculative: Any, prompts: list[Prompt]
+) -> None:
+    from rollpacker.core.drafts import DraftSource
+
+    p = prompts[5]
+    (earlier,) = _sample(plain, 0.0, [p], per_prompt=1)
+    assert plain.remember_drafts({p.prompt_id: [earlier.token_ids]}) == 0  # no proposer: nothing taken
+    assert speculative.remember_drafts({p.prompt_id: [earlier.token_ids]}) == 1
+    proposer = speculative._proposer
+    from_history = proposer.store.drafted[DraftSource.HISTORY]
+    before = _stats(speculative)
+    (again,) = _sample(speculative, 0.0, [p], per_prompt=1)
+    after = _stats(speculative)
+    assert again.token_ids == earlier.token_ids  # greedy: the same response
+    assert proposer.store.drafted[DraftSource.HISTORY] > from_history  # drafted from the history
+    drafted = after.drafted_tokens - before.drafted_tokens
+    # its own earlier response: nearly every draft right (the last may run past the end)
+    assert drafted > 0 and (after.accepted_tokens - before.accepted_tokens) / drafted > 0.75

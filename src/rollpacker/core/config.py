@@ -187,6 +187,8 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
+        if len(args) > 1 and type(value) in args:  # e.g. ``str | bool``: a value of one of them
+            return value
         tp = args[0]
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         if isinstance(value, str) and hasattr(tp, "from_name"):

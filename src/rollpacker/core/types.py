@@ -157,6 +157,7 @@ class EngineStepStats:
     num_waiting: int
     num_preemptions_total: int  # cumulative counter since engine start
     kv_cache_usage: float  # fraction of KV blocks in use after the step, 0..1
+    new_tokens: int = 0  # tokens the step generated, over every request (> running with drafts)
     # speculative decoding (engine.speculation): tokens drafted and verified in this step, drafted
     # tokens the target model accepted, and the seconds spent drafting after it
     spec_draft_tokens: int = 0

@@ -188,6 +188,7 @@ class FakeEngine:
             num_waiting=len(self._waiting),
             num_preemptions_total=self._preemptions,
             kv_cache_usage=self.kv_cache_usage(),
+            new_tokens=sum(len(u.new_token_ids) for u in updates),
         )
         return updates, stats
 

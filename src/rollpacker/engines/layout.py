@@ -269,6 +269,10 @@ class LayoutEngine:
             num_waiting=sum(s.num_waiting for s in stats),
             num_preemptions_total=self.num_preemptions(),
             kv_cache_usage=max((s.kv_cache_usage for s in stats), default=0.0),
+            new_tokens=sum(s.new_tokens for s in stats),
+            spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
+            spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),
+            spec_draft_s=sum(s.spec_draft_s for s in stats),
         )
 
     def has_unfinished(self) -> bool:

@@ -117,6 +117,8 @@ class GroupDraftProposer:
         self.policy = SpeculationPolicy(self.cfg, curve)
         self.stats = ProposerStats()
         self._drafted: dict[str, int] = {}  # request -> tokens drafted for it last step
+        self._last_end = 0.0  # when the previous propose returned (a step lasts until the next call)
+        self._prev_rows: set[str] = set()  # the requests of the previous step
         self._members: dict[str, set[str]] = {}  # group -> its requests still in the batch
         self._runner: Any = None
         self._warned = False
@@ -150,7 +152,7 @@ class GroupDraftProposer:
         t0 = time.perf_counter()
         self.stats.calls += 1
         try:
-            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, t0)
         except Exception:  # never lose a request to a drafting bug: decode this step plainly
             self.stats.errors += 1
             if not self._warned:
@@ -158,10 +160,13 @@ class GroupDraftProposer:
                 self._warned = True
             self._drafted.clear()
             drafts = [[] for _ in sampled_token_ids]
-        self.stats.propose_s += time.perf_counter() - t0
+        self._last_end = time.perf_counter()
+        self.stats.propose_s += self._last_end - t0
         return drafts
 
-    def _propose(self, sampled: list[list[int]], num_tokens: Any, token_ids: Any) -> list[list[int]]:
+    def _propose(
+        self, sampled: list[list[int]], num_tokens: Any, token_ids: Any, t0: float
+    ) -> list[list[int]]:
         batch = self._batch()
         req_ids: list[str | None] = list(batch.req_ids)[: len(sampled)]
         prompt_lens = batch.num_prompt_tokens
@@ -173,9 +178,15 @@ class GroupDraftProposer:
                 drafted += n_drafted
                 accepted += min(len(sampled[i]) - 1, n_drafted)
         self.policy.observe(drafted, accepted)
+        # the step just run verified one token per row plus its drafts; a step that admitted new
+        # requests (a prefill) says nothing about decode and is not timed
+        rows = {r for r in req_ids if r}
+        if self._last_end and rows <= self._prev_rows:
+            self.policy.observe_step(len(req_ids) + sum(self._drafted.values()), t0 - self._last_end)
+        self._prev_rows = rows
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
-        self._retire(set(r for r in req_ids if r))
+        self._retire(rows)
         k = min(self.policy.tokens_to_draft(len(req_ids)), self.k_max)
         self.stats.k_last = k
         self._drafted = {}

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -226,6 +226,21 @@ class VLLMEngine:
 
         return PROPOSERS[-1] if PROPOSERS else None
 
+    def remember_drafts(self, history: Mapping[str, Sequence[Sequence[int]]]) -> int:
+        """Seed the draft store with responses by prompt id (an earlier epoch's, the partial
+        cache's); the number of prompts taken (0: speculation is off or its proposer runs in
+        another process)."""
+        if self._proposer is None:
+            return 0
+        for prompt_id, responses in history.items():
+            self._proposer.store.remember(prompt_id, responses)
+        return len(history)
+
+    def drafts_sampled(self) -> bool:
+        """Whether the in-process proposer drafts for sampled (temperature > 0) requests
+        (``engine.speculation.sampled`` and whether this vLLM verifies them exactly)."""
+        return bool(self._proposer is not None and self._proposer.sampled)
+
     def speculation_stats(self) -> ProposerStats | None:
         """A copy of the in-process proposer's counters (seconds drafting, steps speculated, ...);
         None when speculation is off or the engine core runs in another process."""
@@ -350,6 +365,7 @@ class VLLMEngine:
             num_waiting=c.num_waiting,
             num_preemptions_total=c.preemptions,
             kv_cache_usage=c.kv_cache_usage,
+            new_tokens=sum(len(u.new_token_ids) for u in updates),
             spec_draft_tokens=drafted,
             spec_accepted_tokens=accepted,
             spec_draft_s=draft_s,

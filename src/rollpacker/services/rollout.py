@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollpacker.core.drafts import history_from_json, history_steps_kept, history_to_json
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
@@ -66,6 +68,8 @@ from rollpacker.services.api import (
 from rollpacker.services.base import Service, checkpoint_cache
 from rollpacker.store.base import cached_download
 from rollpacker.tasks.models import TaskData, task_data
+
+log = logging.getLogger(__name__)
 
 
 class Superseded(RollpackerError):
@@ -108,6 +112,7 @@ class RolloutService(Service, RolloutAPI):
             cfg = self.cfg
             ecfg = dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
             self.engine = self._start_layouts(ecfg) if cfg.planner.devices else VLLMEngine(ecfg)
+            self._restore_drafts()
             started = True
         else:
             self.engine.load_weights(_read_safetensors(model_dir))
@@ -279,6 +284,7 @@ class RolloutService(Service, RolloutAPI):
                 if scaler is not None:
                     scaler.observe(completed)
 
+            self._remember_cached(state)
             try:
                 run = run_round(
                     self.engine,
@@ -295,7 +301,54 @@ class RolloutService(Service, RolloutAPI):
                 if scaler is not None:  # every replica serves again, however the round ended
                     layout_metrics.update(scaler.close().logged())
             policy.commit(run.result)  # this attempt's policy object only: the next state's cursor/queue
+            self._persist_drafts(step, run.result.groups)
             return self._report(step, attempt, policy, run, kinds, layout_metrics)
+
+    # -- draft history (engine.speculation) -------------------------------------------------------
+    def _drafts_kept(self) -> bool:
+        spec = self.cfg.engine.speculation
+        return spec.enabled and "history" in spec.sources and spec.history_prompts > 0
+
+    def _drafts_prefix(self) -> str:
+        return f"{self.cfg.experiment}/{self.arm}/drafts/"
+
+    def _persist_drafts(self, step: int, groups: Sequence[Group]) -> None:
+        """The round's responses by prompt, to the store (a re-run of the step overwrites them), so
+        that an engine started later drafts from them; the oldest beyond ``history_prompts``
+        prompts' worth of steps are deleted."""
+        if not self._drafts_kept() or not groups:
+            return
+        spec = self.cfg.engine.speculation
+        per = spec.history_per_prompt
+        by_prompt = {g.prompt.prompt_id: [c.token_ids for c in g.responses[-per:]] for g in groups}
+        store, prefix = self.store(), self._drafts_prefix()
+        store.put_bytes(f"{prefix}step-{step:06d}/responses.json", history_to_json(step, by_prompt).encode())
+        keep = history_steps_kept(spec, self.cfg.rollout.prompts_per_step)
+        for key in sorted(store.list(prefix))[:-keep]:
+            store.delete_prefix(key.rpartition("/")[0] + "/")
+
+    def _restore_drafts(self) -> None:
+        """Seed a newly started engine's draft store from the newest persisted rounds (oldest
+        first, so the newest responses win); a malformed document is skipped with a warning."""
+        if not self._drafts_kept() or not hasattr(self.engine, "remember_drafts"):
+            return
+        store = self.store()
+        keep = history_steps_kept(self.cfg.engine.speculation, self.cfg.rollout.prompts_per_step)
+        taken = 0
+        for key in sorted(store.list(self._drafts_prefix()))[-keep:]:
+            try:
+                taken += self.engine.remember_drafts(history_from_json(store.get_bytes(key), store.uri(key)))
+            except RollpackerError as e:
+                log.warning("draft history skipped: %s", e)
+        if taken:
+            log.info("draft history: %d prompts' responses from the store", taken)
+
+    def _remember_cached(self, state: ControllerState) -> None:
+        """The partial-rollout cache's responses as drafts for their prompts' siblings."""
+        if self._drafts_kept() and state.partial_cache and hasattr(self.engine, "remember_drafts"):
+            self.engine.remember_drafts(
+                {e.prompt_id: [x.token_ids for x in e.samples] for e in state.partial_cache if e.samples}
+            )
 
     def _scale_down(self, state: ControllerState, attempt: str) -> ScaleDownRuntime | None:
         """Algorithm 1 for this round (``rollout.scale_down.enabled`` on engines in layouts)."""
