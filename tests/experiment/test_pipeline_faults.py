@@ -48,12 +48,12 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.S
         devservices.down(root, grace_s=3.0)
 
 
-def _config(svc: devservices.Services, tmp: Path) -> Path:
-    cfg = tmp / "faults.yaml"
+def _config(svc: devservices.Services, tmp: Path, experiment: str = "faults", steps: int = STEPS) -> Path:
+    cfg = tmp / f"{experiment}.yaml"
     cfg.write_text(
         f"""
-experiment: faults
-steps: {STEPS}
+experiment: {experiment}
+steps: {steps}
 arms: [tail_batching]
 tracking_uri: {svc.tracking_uri}
 store: {{endpoint: "{svc.s3_endpoint}", bucket: {svc.bucket}}}
@@ -72,11 +72,7 @@ validation: {{every: 100, max_tokens: 64}}
 def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from rollpacker.core.config import load_config
-    from rollpacker.core.planner import replay
     from rollpacker.experiment import run_experiment
-    from rollpacker.store import open_store
-    from rollpacker.store.state_store import StateStore
     from rollpacker.tracking import ExperimentTracker
 
     for k, v in services.env().items():
@@ -107,16 +103,115 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     assert arm.failures == len(FAULTS)
     assert arm.committed_step == STEPS - 1
 
+    cfg, store, states, chain = _check_chain(cfg_path, STEPS)
+
+    # MLflow (served) holds each committed step exactly once, the commit fault's step included
+    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
+    run_id = chain[-1].mlflow_run_id
+    hist = tracker.metric_history(run_id, "train/loss")
+    assert [s for s, _ in hist] == list(range(1, STEPS + 1))
+    overhead = tracker.metric_history(run_id, "pipeline/overhead_s")
+    assert len(overhead) == STEPS and all(v >= 0 for _, v in overhead)
+    assert tracker.state_pointer(run_id) == (store.uri(states.state_key(STEPS - 1)), STEPS - 1)
+    assert os.environ["ROLLPACKER_FAULT"]  # the faults were armed for the whole run
+
+    # resume: the arm's services were stopped at its end; one more step rebuilds them from the
+    # object store (weights, optimizer, cursor, queue) and continues the same chain and MLflow run
+    monkeypatch.delenv("ROLLPACKER_FAULT")
+    cfg_path.write_text(cfg_path.read_text().replace(f"steps: {STEPS}", f"steps: {STEPS + 1}"))
+    more = run_experiment(
+        cfg_path,
+        runner="kfp",
+        retries=0,
+        pipeline_root=tmp_path / "kfp2",
+        start_services=False,
+        echo=lines.append,
+    )
+    assert more.arms[0].steps_run == 1 and more.arms[0].failures == 0
+    last = states.latest()
+    assert last is not None and last.step == STEPS and last.policy_version == STEPS + 1
+    assert last.mlflow_run_id == run_id
+    assert [s for s, _ in tracker.metric_history(run_id, "train/loss")] == list(range(1, STEPS + 2))
+
+
+# a service's Ray actor process killed while a stage waits on it: the rollout service mid-round,
+# the reward services as the stage drains them, the trainer mid-round (its stream of gradients)
+SERVICE_FAULTS = ("rollout:RolloutService@1", "reward:RewardService@2", "rollout:TrainerService@3")
+SERVICE_STEPS = 5
+
+
+def test_a_killed_service_is_noticed_at_once_and_the_run_recovers_by_itself(
+    services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each kill fails its step within seconds with the service named; the run's own retries
+    rebuild the service from the committed state (no second command); live services find the
+    rebuilt peer (no handle to the dead one survives an attempt), and the chain's invariants hold."""
+    import time
+
+    from rollpacker.experiment import run_experiment
+    from rollpacker.stages.hooks import HOOK_ENV
+    from rollpacker.testing.faults import HOOK, mark_name
+
+    for k, v in services.env().items():
+        monkeypatch.setenv(k, v)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv(HOOK_ENV, HOOK)
+    monkeypatch.setenv("ROLLPACKER_FAULT", ",".join(SERVICE_FAULTS))
+    monkeypatch.setenv("ROLLPACKER_FAULT_MARK", str(marks))
+    cfg_path = _config(services, tmp_path, experiment="faults-svc", steps=SERVICE_STEPS)
+    lines: list[str] = []
+    stamped: list[tuple[float, str]] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        stamped.append((time.time(), line))
+
+    out = run_experiment(
+        cfg_path,
+        runner="kfp",
+        retries=2 * len(SERVICE_FAULTS),  # room to spare: each kill should cost one re-run
+        pipeline_root=tmp_path / "kfp",
+        start_services=False,
+        echo=echo,
+    )
+    fired = sorted(p.name for p in marks.iterdir())
+    assert fired == sorted(mark_name(f) for f in SERVICE_FAULTS), lines
+    (arm,) = out.arms
+    assert arm.committed_step == SERVICE_STEPS - 1, lines
+    assert arm.failures == len(SERVICE_FAULTS), lines  # one failed attempt per kill, no more
+    # each kill failed its step within seconds (the mark file was written as it fired), naming the
+    # service that died (or saying the one it waited on was rebuilt since)
+    failed = [(t, line) for t, line in stamped if "a step failed" in line]
+    assert len(failed) == len(SERVICE_FAULTS), lines
+    for f, (noticed, line) in zip(
+        sorted(SERVICE_FAULTS, key=lambda f: f.rsplit("@")[1]), failed, strict=True
+    ):
+        fired_at = (marks / mark_name(f)).stat().st_mtime
+        assert "died" in line or "rebuilt" in line, line
+        assert 0 <= noticed - fired_at < 30, f"{f}: noticed {noticed - fired_at:.1f} s after the kill"
+    _check_chain(cfg_path, SERVICE_STEPS)
+
+
+def _check_chain(cfg_path: Path, steps: int):  # type: ignore[no-untyped-def]
+    """The committed chain's invariants: every step once, one update per step, the queue and the
+    TP plan follow from the predecessor and the step's groups, every prompt trained exactly once
+    or still queued. Returns the config, the store, the state store and the chain."""
+    from rollpacker.core.config import load_config
+    from rollpacker.core.planner import replay
+    from rollpacker.store import open_store
+    from rollpacker.store.state_store import StateStore
+
     cfg = load_config(cfg_path)
     store = open_store(cfg.store)
     states = StateStore(store, cfg.experiment, "tail_batching")
-    assert states.history() == list(range(-1, STEPS))
-    chain = [states.load(s) for s in range(-1, STEPS)]
-    groups = [json.loads(states.get_blob(s, "groups.json")) for s in range(STEPS)]
-    commits = [json.loads(states.get_blob(s, "commit.json")) for s in range(STEPS)]  # read as a user would
+    assert states.history() == list(range(-1, steps))
+    chain = [states.load(s) for s in range(-1, steps)]
+    groups = [json.loads(states.get_blob(s, "groups.json")) for s in range(steps)]
+    commits = [json.loads(states.get_blob(s, "commit.json")) for s in range(steps)]  # read as a user would
 
     p0 = cfg.rollout.prompts_per_step
-    for s in range(STEPS):
+    for s in range(steps):
         prev, cur, g = chain[s], chain[s + 1], groups[s]
         assert commits[s]["attempt"] == g["attempt"]  # the groups log is the committed attempt's
         # one optimizer update per committed step: the killed training stage's update is gone
@@ -149,30 +244,4 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     assert final_queue <= deferred
     assert not set(trained) & final_queue
 
-    # MLflow (served) holds each committed step exactly once, the commit fault's step included
-    tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
-    run_id = chain[-1].mlflow_run_id
-    hist = tracker.metric_history(run_id, "train/loss")
-    assert [s for s, _ in hist] == list(range(1, STEPS + 1))
-    overhead = tracker.metric_history(run_id, "pipeline/overhead_s")
-    assert len(overhead) == STEPS and all(v >= 0 for _, v in overhead)
-    assert tracker.state_pointer(run_id) == (store.uri(states.state_key(STEPS - 1)), STEPS - 1)
-    assert os.environ["ROLLPACKER_FAULT"]  # the faults were armed for the whole run
-
-    # resume: the arm's services were stopped at its end; one more step rebuilds them from the
-    # object store (weights, optimizer, cursor, queue) and continues the same chain and MLflow run
-    monkeypatch.delenv("ROLLPACKER_FAULT")
-    cfg_path.write_text(cfg_path.read_text().replace(f"steps: {STEPS}", f"steps: {STEPS + 1}"))
-    more = run_experiment(
-        cfg_path,
-        runner="kfp",
-        retries=0,
-        pipeline_root=tmp_path / "kfp2",
-        start_services=False,
-        echo=lines.append,
-    )
-    assert more.arms[0].steps_run == 1 and more.arms[0].failures == 0
-    last = states.latest()
-    assert last is not None and last.step == STEPS and last.policy_version == STEPS + 1
-    assert last.mlflow_run_id == run_id
-    assert [s for s, _ in tracker.metric_history(run_id, "train/loss")] == list(range(1, STEPS + 2))
+    return cfg, store, states, chain

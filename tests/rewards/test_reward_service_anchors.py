@@ -33,6 +33,12 @@ class _Peers:
     def trainer(self):
         return self.t
 
+    def cast_failure(self, attempt):
+        return None
+
+    def refresh(self) -> None:
+        pass
+
 
 @pytest.fixture()
 def task_file(tmp_path):
@@ -141,3 +147,28 @@ def test_sync_stage_rescores_trained_responses_from_the_begin_anchors(task_file)
     assert set(EX[0].case_keys()) | set(EX[1].case_keys()) | set(EX[2].case_keys()) == keys
     # the second drain measured the stage again; the anchors it reports are still the step's
     assert again.timeout_anchors == r.timeout_anchors
+
+
+class _FailingTrainerPeers(_Peers):
+    """A trainer whose fire-and-forget ``submit`` was recorded as failed for attempt ``a-bad``."""
+
+    def cast_failure(self, attempt):
+        return (
+            "service t.sync.trainer: submit (fire and forget) failed: the service died"
+            if attempt == "a-bad"
+            else None
+        )
+
+
+def test_a_drain_fails_at_once_when_a_hand_off_to_the_trainer_failed(task_file):
+    svc = RewardService(f"experiment: t\ntask: {{name: {task_file}}}\n", "sync")
+    svc.bind(_FailingTrainerPeers())
+    try:
+        svc.begin("a-bad", ())
+        t0 = time.monotonic()
+        # a group that never arrives: without the check the drain would wait services.call_timeout_s
+        with pytest.raises(Exception, match=r"drain of attempt a-bad cannot finish: .*trainer.*died"):
+            svc.drain("a-bad", (EX[0].example_id,), time.time())
+        assert time.monotonic() - t0 < 5
+    finally:
+        svc.close()

@@ -220,6 +220,12 @@ class _Peers:
     def trainer(self) -> _Trainer:
         return self.train
 
+    def cast_failure(self, attempt: str) -> str | None:
+        return None
+
+    def refresh(self) -> None:
+        pass
+
     def rollout(self) -> Any:
         raise AssertionError("the round does not call the rollout service")
 
@@ -333,6 +339,9 @@ class _Rollout:
 class _TrainerPeers:
     def rollout(self) -> _Rollout:
         return _Rollout()
+
+    def refresh(self) -> None:
+        pass
 
 
 def _worker_affinity(svc: Any) -> set[int]:

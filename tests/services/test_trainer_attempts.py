@@ -74,3 +74,25 @@ def test_begin_waits_for_an_older_update_in_flight_then_restores_the_state(
     assert svc.collect("finish:old").value.policy_version == 1  # the old update ran to its end...
     assert svc.trainer.policy_version == state.policy_version  # ...and the new attempt restored the state
     svc.close()
+
+
+def test_an_update_that_fails_after_the_optimizer_step_is_rolled_back_by_the_next_begin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc, state, base = _service(tmp_path, monkeypatch)
+    svc.begin("a1", state, base)
+    svc.submit("a1", "g0", _group("g0", 0))
+
+    def broken_save(*_a, **_k):  # type: ignore[no-untyped-def]
+        raise OSError("planted: the checkpoint could not be written")
+
+    monkeypatch.setattr(svc.trainer, "save_checkpoint", broken_save)
+    with pytest.raises(OSError, match="planted"):
+        svc.finish("a1", 0, ("g0",), "t/ckpt/a1/", "t/batch/a1")
+    assert svc.trainer.policy_version == 1  # the optimizer stepped; its checkpoint never landed
+    monkeypatch.undo()
+    began = svc.begin("a2", state, base)  # the re-run of the same step, from the same state
+    assert began.restored and svc.trainer.policy_version == state.policy_version == 0
+    svc.submit("a2", "g0", _group("g0", 0))
+    assert svc.finish("a2", 0, ("g0",), "t/ckpt/a2/", "t/batch/a2").policy_version == 1
+    svc.close()

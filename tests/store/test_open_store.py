@@ -11,7 +11,7 @@ import pytest
 
 from rollpacker.core.config import StoreConfig, from_mapping
 from rollpacker.core.errors import ConfigError
-from rollpacker.store import FileStore, ObjectStore, S3Store, StoreError, open_store
+from rollpacker.store import FileStore, ObjectStore, PatientStore, S3Store, StoreError, open_store
 from rollpacker.store.state_store import StateStore
 from tests.store.chain import chain
 
@@ -65,9 +65,11 @@ def test_state_store_on_a_file_endpoint(tmp_path: Path) -> None:
 def test_host_port_endpoint_gives_the_s3_store() -> None:
     env = {"ROLLPACKER_S3_ACCESS_KEY": "a", "ROLLPACKER_S3_SECRET_KEY": "b"}
     store = open_store(StoreConfig(endpoint="127.0.0.1:1", bucket="bkt"), env=env)
-    assert isinstance(store, S3Store) and isinstance(store, ObjectStore)
-    assert store.uri("k") == "s3://bkt/k"
-    assert isinstance(open_store(StoreConfig(), env=env), S3Store)  # S3 is the default
+    # the S3 store, inside the one that rides out an outage of store.outage_s
+    assert isinstance(store, PatientStore) and isinstance(store.inner, S3Store) and store.outage_s == 60
+    assert isinstance(store, ObjectStore) and store.uri("k") == "s3://bkt/k"
+    assert isinstance(open_store(StoreConfig(), env=env).inner, S3Store)  # S3 is the default
+    assert isinstance(open_store(StoreConfig(outage_s=0), env=env), S3Store)  # 0: no retries at all
 
 
 def test_s3_endpoint_without_credentials_names_the_variables(tmp_path: Path) -> None:

@@ -41,3 +41,16 @@ def make_batch(num_groups: int, group_size: int, seed: int, vocab: int = 64) -> 
             )
         groups.append(samples)
     return groups
+
+
+def random_chunks(groups: list[list[TrainSample]], seed: int) -> list[list[TrainSample]]:
+    """The groups in a random arrival order, cut into chunks of 1-3 groups (a stream's arrivals)."""
+    rng = random.Random(seed)
+    order = list(groups)
+    rng.shuffle(order)
+    chunks, i = [], 0
+    while i < len(order):
+        k = rng.randint(1, 3)
+        chunks.append([s for g in order[i : i + k] for s in g])
+        i += k
+    return chunks

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from rollpacker.core.config import TrainerConfig
+from rollpacker.core.config import OBJECTIVE_NAMES, TrainerConfig
 from rollpacker.core.errors import ConfigError, TrainerError
-from rollpacker.trainers.objectives import OBJECTIVES, get_objective
+from rollpacker.trainers.objectives import OBJECTIVES, PgInputs, get_objective
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 # two samples x three tokens; ratios inside and outside [0.8, 1.28], positive and negative advantages
@@ -45,7 +45,7 @@ def test_unknown_objective_lists_the_known_names() -> None:
 
 
 def test_registry_keys_are_names_the_config_accepts() -> None:
-    assert set(OBJECTIVES) == set(FORMULAS)
+    assert set(OBJECTIVES) == set(OBJECTIVE_NAMES) == {*FORMULAS, "gspo"}
     for name, obj in OBJECTIVES.items():
         assert obj.name == name and get_objective(name) is obj
         assert TrainerConfig(objective=name).objective == name
@@ -59,9 +59,9 @@ def test_objective_is_its_formula(name: str) -> None:
         return torch.tensor(rows, dtype=torch.float64)
 
     logp = t(LOGP).requires_grad_(True)
-    terms = obj.per_token(
-        logp, t(BEHAV), t(PROX) if obj.needs_proximal else None, t(ADV)[:, None], EPS_LOW, EPS_HIGH
-    )
+    ones = torch.ones(2, 3, dtype=torch.float64)
+    prox = t(PROX) if obj.needs_proximal else None
+    terms = obj.per_token(PgInputs(logp, t(BEHAV), t(ADV)[:, None], ones, prox, EPS_LOW, EPS_HIGH))
     for i, j in ((i, j) for i in range(2) for j in range(3)):
         loss, ratio, bw = FORMULAS[name](LOGP[i][j], BEHAV[i][j], PROX[i][j], ADV[i])
         assert float(terms.loss[i, j]) == pytest.approx(loss, rel=1e-12)
@@ -77,4 +77,26 @@ def test_objective_is_its_formula(name: str) -> None:
 def test_decoupled_ppo_needs_the_proximal_logprobs() -> None:
     x = torch.zeros(1, 1)
     with pytest.raises(TrainerError, match="proximal"):
-        get_objective("decoupled_ppo").per_token(x, x, None, x, EPS_LOW, EPS_HIGH)
+        get_objective("decoupled_ppo").per_token(PgInputs(x, x, x, x, None, EPS_LOW, EPS_HIGH))
+
+
+def test_gspo_ratio_is_the_sequence_geometric_mean_and_clips_whole_sequences() -> None:
+    # row 0: three tokens, log-ratio mean 0.3 (clipped above 1.28 with A > 0); row 1: two tokens and
+    # one pad, log-ratio mean -0.05 (inside the range)
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]], dtype=torch.float64, requires_grad=True)
+    behav = torch.tensor([[-1.3, -2.4, -0.7], [-2.8, -0.2, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.5], [-0.7]], dtype=torch.float64)
+    terms = get_objective("gspo").per_token(PgInputs(logp, behav, adv, mask, None, EPS_LOW, EPS_HIGH))
+    s = [math.exp((0.3 + 0.4 + 0.2) / 3), math.exp((-0.2 + 0.1) / 2)]
+    for i in range(2):
+        for j in range(3 if i == 0 else 2):
+            assert float(terms.ratio[i, j]) == pytest.approx(s[i], rel=1e-12)
+            want = -min(s[i] * float(adv[i]), _clip(s[i]) * float(adv[i]))
+            assert float(terms.loss[i, j]) == pytest.approx(want, rel=1e-12)
+    # seq-mean gradient: row 0 is clipped (no gradient); row 1's is -A * s / |y| on each token
+    ((terms.loss * mask).sum(1) / mask.sum(1)).sum().backward()
+    assert logp.grad is not None
+    assert logp.grad[0].abs().max() == 0
+    assert logp.grad[1, :2].tolist() == pytest.approx([0.7 * s[1] / 2] * 2, rel=1e-12)
+    assert float(logp.grad[1, 2]) == 0

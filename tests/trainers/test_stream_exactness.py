@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from rollpacker.core.config import TrainerConfig
 from rollpacker.trainers.torch_trainer import TorchTrainer
 
-from .conftest import make_batch
+from .conftest import make_batch, random_chunks
 
 
 def _grads(trainer: TorchTrainer) -> torch.Tensor:
@@ -30,15 +28,9 @@ def _monolithic(model_dir, dtype, norm, batch, kl=0.0) -> torch.Tensor:
 
 
 def _streamed(model_dir, dtype, norm, batch, seed, kl=0.0) -> torch.Tensor:
-    rng = random.Random(seed)
-    groups = list(batch)
-    rng.shuffle(groups)
     tr = _trainer(model_dir, dtype, norm, kl)
-    i = 0
-    while i < len(groups):
-        k = rng.randint(1, 3)
-        tr.accumulate([s for g in groups[i : i + k] for s in g])
-        i += k
+    for chunk in random_chunks(batch, seed):
+        tr.accumulate(chunk)
     tr.reduce_grads()
     return _grads(tr)
 

@@ -1,10 +1,21 @@
-"""The learning benchmark: does each answer to the long tail learn as well as the synchronous baseline?
+"""The learning benchmark: does RL learn, and does each answer to the long tail learn as well as
+the synchronous baseline?
 
 Runs the same experiment config for each (arm, seed), one after another on this machine, through
 the one RL step path (``experiment.train_arm``: the stages, services in this process). Each arm
-trains the same number of samples (steps x P0 x R0). Reports validation accuracy before RL (step 0)
-and at the end, reward curves, seconds per step and in rollout, and the exactly-once check per arm
-(no prompt trained twice, every deferred prompt trained later or still waiting).
+trains the same number of samples (steps x P0 x R0). An arm is a rollout policy (``sync``,
+``tail_batching``, ...), an algorithm under tail batching (``dapo``, ``reinforce_pp``, ``gspo``;
+GRPO is ``tail_batching`` itself) or the no-RL ``control`` (sync rollouts, every advantage 0: what
+sampling noise alone does to the held-out score). Reports validation accuracy before RL (step 0)
+and at the end, the gain in points, reward curves, seconds per step and in rollout, and the
+exactly-once check per arm (no prompt trained twice, every deferred prompt trained later or still
+waiting); ``plot`` draws each arm's mean over seeds with a min-max band, ``log_to_mlflow`` logs
+the plot, the report and the mean curves to one ``bench-learning`` run of the experiment.
+
+The ``dapo`` arm runs DAPO's reward side (overlong shaping and filtering; clip-higher and the
+token-level loss are the defaults) but not its dynamic sampling: the rollout service does not yet
+feed group rewards back to its round (``rollout.run_round(group_rewards=...)``), and a config that
+turns dynamic sampling on fails the first step saying so (docs/training.md).
 """
 
 from __future__ import annotations
@@ -25,6 +36,26 @@ ARMS: dict[str, dict[str, Any]] = {
     "sorted_partial": {"rollout.policy": "sorted", "rollout.sorted.mode": "partial"},
     "partial": {"rollout.policy": "partial"},
     "one_off": {"rollout.policy": "tail_batching", "rollout.one_off": True},
+    "control": {"rollout.policy": "sync", "train.advantage": "zero"},
+    "dapo": {
+        "rollout.policy": "tail_batching",
+        "train.overlong_buffer": 128,
+        "train.overlong_filter": True,
+        "train.clip_eps_high": 0.28,
+        "train.loss_norm": "token_mean",
+    },
+    "reinforce_pp": {
+        "rollout.policy": "tail_batching",
+        "train.advantage": "reinforce_pp",
+        "train.reward_kl_coef": 0.01,
+    },
+    "gspo": {
+        "rollout.policy": "tail_batching",
+        "train.objective": "gspo",
+        "train.clip_eps_low": 0.0003,
+        "train.clip_eps_high": 0.0004,
+        "train.loss_norm": "seq_mean",
+    },
 }
 COLORS = {
     "sync": "tab:blue",
@@ -33,6 +64,10 @@ COLORS = {
     "sorted_partial": "tab:olive",
     "partial": "tab:red",
     "one_off": "tab:purple",
+    "control": "black",
+    "dapo": "tab:cyan",
+    "reinforce_pp": "tab:brown",
+    "gspo": "tab:pink",
 }
 
 
@@ -63,7 +98,24 @@ def run_learning(
         report["minus_sync_points"] = {
             a: 100 * (p["val_accuracy_end_mean"] - base) for a, p in per_arm.items()
         }
+    report["criteria"] = criteria(per_arm)
     return report
+
+
+def criteria(per_arm: dict[str, Any]) -> dict[str, bool]:
+    """The bar a learning comparison should clear, for the arms that ran: GRPO under sync and
+    under tail batching each gain >= 15 points of held-out accuracy over the warm-up (mean of the
+    seeds), the no-RL control < 3, and tail batching ends within 2 points of sync."""
+    out: dict[str, bool] = {}
+    for arm in ("sync", "tail_batching"):
+        if arm in per_arm:
+            out[f"{arm}_gains_15_points"] = per_arm[arm]["gain_points_mean"] >= 15
+    if "control" in per_arm:
+        out["control_gains_under_3_points"] = per_arm["control"]["gain_points_mean"] < 3
+    if "sync" in per_arm and "tail_batching" in per_arm:
+        gap = per_arm["tail_batching"]["val_accuracy_end_mean"] - per_arm["sync"]["val_accuracy_end_mean"]
+        out["tail_batching_within_2_points_of_sync"] = 100 * gap >= -2
+    return out
 
 
 def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
@@ -94,7 +146,10 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
 
 def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     end = [r["val_accuracy_end"] for r in runs]
+    gain = [100 * (r["val_accuracy_end"] - r["val_accuracy_start"]) for r in runs]
     return {
+        "gain_points_mean": statistics.fmean(gain),
+        "gain_points_sd": statistics.stdev(gain) if len(gain) > 1 else 0.0,
         "val_accuracy_start_mean": statistics.fmean(r["val_accuracy_start"] for r in runs),
         "val_accuracy_end_mean": statistics.fmean(end),
         "val_accuracy_end_sd": statistics.stdev(end) if len(end) > 1 else 0.0,
@@ -133,34 +188,76 @@ def render(report: dict[str, Any]) -> str:
         vs = report.get("minus_sync_points", {}).get(arm)
         lines += wrap(
             f"{arm:<15} val {p['val_accuracy_start_mean']:.3f} -> {p['val_accuracy_end_mean']:.3f} "
-            f"(sd {p['val_accuracy_end_sd']:.3f}), {p['trained_samples']} samples, "
+            f"(sd {p['val_accuracy_end_sd']:.3f}, {p['gain_points_mean']:+.1f} points), "
+            f"{p['trained_samples']} samples, "
             f"{p['wall_s_mean']:.0f} s/run" + (f", {vs:+.1f} points vs sync" if vs is not None else "")
         )
+    for name, ok in report.get("criteria", {}).items():
+        lines.append(f"{'pass' if ok else 'FAIL'}  {name}")
     return "\n".join(lines + legend(_LEGEND))
 
 
+def _band(curves: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps every curve has, and the mean, min and max over the curves at each."""
+    common = sorted(set.intersection(*(set(x for x, _ in c) for c in curves))) if curves else []
+    at = [dict(c) for c in curves]
+    ys = [[a[x] for a in at] for x in common]
+    return common, [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
-    """Reward per step and validation accuracy per step, one line per (arm, seed)."""
+    """Reward per step and held-out accuracy per step: each arm's mean over seeds, min-max band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
-    seen: set[str] = set()
-    for r in report["runs"]:
-        color = COLORS.get(r["arm"], "gray")
-        label = r["arm"] if r["arm"] not in seen else None
-        seen.add(r["arm"])
-        ax_r.plot(
-            range(1, len(r["reward_curve"]) + 1), r["reward_curve"], color=color, alpha=0.6, label=label
-        )
-        steps, acc = zip(*r["val_curve"], strict=True) if r["val_curve"] else ((), ())
-        ax_v.plot(steps, acc, marker="o", color=color, alpha=0.6, label=label)
+    for arm in dict.fromkeys(r["arm"] for r in report["runs"]):
+        runs = [r for r in report["runs"] if r["arm"] == arm]
+        color = COLORS.get(arm, "gray")
+        label = f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+        rewards = [list(enumerate(r["reward_curve"], start=1)) for r in runs]
+        vals = [[(int(x), float(y)) for x, y in r["val_curve"]] for r in runs]
+        for ax, curves, marker in ((ax_r, rewards, None), (ax_v, vals, "o")):
+            xs, mean, lo, hi = _band(curves)
+            if xs:
+                ax.plot(xs, mean, color=color, marker=marker, label=label)
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
     ax_r.set(xlabel="RL step", ylabel="mean reward (trained groups)", title="reward per step")
-    ax_v.set(xlabel="RL step", ylabel="held-out accuracy", title="validation accuracy")
+    ax_v.set(
+        xlabel="RL step", ylabel="held-out accuracy", title="held-out accuracy (band: min-max over seeds)"
+    )
     ax_r.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return [out]
+
+
+def log_to_mlflow(report: dict[str, Any], files: list[Path], tracking_uri: str, experiment: str) -> str:
+    """One ``bench-learning`` run in ``experiment``: the plots and the report as artifacts, each
+    arm's mean reward and held-out accuracy per step as metrics (``learning/<arm>/...``)."""
+    from rollpacker.tracking import TAG_KIND, ExperimentTracker
+
+    tracker = ExperimentTracker(tracking_uri, experiment)
+    client = tracker.client
+    run_id = str(
+        client.create_run(
+            tracker.experiment_id, run_name="bench-learning", tags={TAG_KIND: "bench"}
+        ).info.run_id
+    )
+    for arm in dict.fromkeys(r["arm"] for r in report["runs"]):
+        runs = [r for r in report["runs"] if r["arm"] == arm]
+        for key, curves in (
+            ("reward_mean", [list(enumerate(r["reward_curve"], start=1)) for r in runs]),
+            ("val_accuracy", [[(int(x), float(y)) for x, y in r["val_curve"]] for r in runs]),
+        ):
+            xs, mean, _, _ = _band(curves)
+            for x, y in zip(xs, mean, strict=True):
+                if y == y:  # NaN (a step without a reward) is not logged
+                    client.log_metric(run_id, f"learning/{arm}/{key}", y, step=x)
+    for f in files:
+        client.log_artifact(run_id, str(f), "plots" if f.suffix == ".png" else "")
+    client.set_terminated(run_id, "FINISHED")
+    return run_id

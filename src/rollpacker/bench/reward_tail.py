@@ -87,6 +87,12 @@ class _Peers:
     def reward(self, role: str) -> Any:
         raise RuntimeError("the reward-tail bench has one reward service")
 
+    def cast_failure(self, attempt: str) -> str | None:
+        return None  # the trainer here never fails
+
+    def refresh(self) -> None:
+        pass
+
 
 def _config_text(text: str, where: str, references: bool) -> str:
     import yaml

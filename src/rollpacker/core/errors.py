@@ -31,5 +31,11 @@ class SandboxError(RollpackerError, RuntimeError):
     """The code sandbox cannot run here (no nsjail, no usable interpreter) or was misused."""
 
 
+class TrackingUnavailable(ConfigError):
+    """The MLflow server does not answer (or answers with an error). Before an arm's first step
+    it stops the run (nothing can be compared without it); after that a step still commits, and
+    the next plan logs the steps MLflow missed from their commit records."""
+
+
 class RewardError(RollpackerError, RuntimeError):
     """A reward could not be computed, or a reward service was driven out of order."""

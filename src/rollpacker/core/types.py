@@ -264,3 +264,7 @@ class RoundResult:
     # responses kept for a later step (partial modes: interrupted ones with their tokens, finished
     # ones of prompts that are not complete yet): generated now, trained later, not wasted
     cached: tuple[Completion, ...] = field(default=())
+    # DAPO's dynamic sampling: prompts whose group had no reward variance (dropped: neither trained
+    # nor deferred, consumed) and the prompts drawn beyond the plan to replace them, in launch order
+    filtered: tuple[Prompt, ...] = field(default=())
+    extra_prompts: tuple[Prompt, ...] = field(default=())

@@ -94,6 +94,13 @@ def sampled_verification_is_exact(vllm_config: Any) -> bool:
     return device not in ("cpu", "")
 
 
+def platform_verifies_sampled_exactly() -> bool:
+    """``sampled_verification_is_exact`` for the platform vLLM runs on in this process."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type) not in ("cpu", "")
+
+
 def _load_env() -> tuple[SpeculationConfig, StepCurve | None]:
     raw = os.environ.get(ENV)
     if not raw:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from rollpacker.core.errors import EngineError
+from rollpacker.core.errors import EngineError, PolicyError
 from rollpacker.core.metrics import RolloutMetrics, rollout_metrics
 from rollpacker.core.policies.base import Round
 from rollpacker.core.types import (
@@ -56,6 +56,7 @@ class _RoundDriver:
     policy_version: int
     on_group: Callable[[Group], None] | None
     on_response: Callable[[Completion], None] | None
+    group_rewards: Callable[[Group], Sequence[float]] | None = None
     live: dict[str, _Live] = field(default_factory=dict)
     steps: list[EngineStepStats] = field(default_factory=list)
     engine_tokens: int = 0
@@ -80,7 +81,18 @@ class _RoundDriver:
                     pending.append(self.rnd.observe(done))
 
     def hand_out(self) -> None:
-        """Pass the groups the round has made final to ``on_group``."""
+        """Score the groups a reward-deciding round asks about, then pass the groups the round has
+        made final to ``on_group``."""
+        if self.rnd.needs_rewards:
+            if self.group_rewards is None:
+                raise PolicyError(
+                    f"step {self.rnd.plan.step}: this round decides on rewards "
+                    "(rollout.dynamic_sampling.enabled) and this runtime does not feed them back "
+                    "(run_round's group_rewards; the rollout service does not yet): turn "
+                    "rollout.dynamic_sampling off"
+                )
+            for g in self.rnd.take_unjudged():
+                self.apply(self.rnd.observe_rewards(g.prompt.prompt_id, tuple(self.group_rewards(g))))
         if self.on_group is not None:
             for g in self.rnd.take_completed():
                 self.on_group(g)
@@ -136,17 +148,19 @@ def run_round(
     max_engine_steps: int = 10_000_000,
     on_group: Callable[[Group], None] | None = None,
     on_response: Callable[[Completion], None] | None = None,
+    group_rewards: Callable[[Group], Sequence[float]] | None = None,
 ) -> RoundRun:
     """Drive ``rnd`` on ``engine`` to completion and return its result and metrics.
 
     ``on_step(stats, completed_so_far)`` is called after each engine step (progress bars);
     ``on_response(completion)`` as soon as a response finishes (not aborted), before its group is
     final (rewards start on it at once); ``on_group(group)`` as soon as a group is final (the
-    stream trainer starts on it while the rest of the round runs).
+    stream trainer starts on it while the rest of the round runs); ``group_rewards(group)`` scores
+    a complete group for a round that decides on rewards (DAPO's dynamic sampling) before it is final.
     """
     preempt0 = engine.num_preemptions()
     t0 = engine.now()
-    drv = _RoundDriver(engine, rnd, policy_version, on_group, on_response)
+    drv = _RoundDriver(engine, rnd, policy_version, on_group, on_response, group_rewards)
     drv.apply(rnd.start())
     drv.hand_out()  # groups complete from a policy's cache are final before any engine step
     while not rnd.done:

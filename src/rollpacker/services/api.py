@@ -249,6 +249,14 @@ class Peers(Protocol):
 
     def trainer(self) -> TrainerAPI: ...
 
+    def cast_failure(self, attempt: str) -> str | None:
+        """The first fire-and-forget call of ``attempt`` made through these peers that failed (the
+        peer raised or died), as a message naming the peer, the call and the cause; None if none."""
+
+    def refresh(self) -> None:
+        """Forget the peers found so far: the next call looks each up by name, so a peer rebuilt
+        since (after a crash) is the one reached. A service calls it when an attempt begins."""
+
 
 class TrackingAPI(Protocol):
     """The arm's MLflow run, reached through a long-lived service so that no stage process imports

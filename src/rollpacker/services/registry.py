@@ -24,7 +24,7 @@ import contextlib
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
@@ -83,11 +83,37 @@ ROLE_RESOURCE = {
 
 
 # -- handles: one service, reached in this process or in a Ray actor -----------------------------
+class CastFailures:
+    """Fire-and-forget calls that failed, by attempt: a cast's failure (the callee raised, or died)
+    is recorded the moment its result comes back, and the service that waits on the work the cast
+    carried (a round, a drain) asks ``get(attempt)`` while it waits and fails at once, naming the
+    peer, the call and the cause. Every fire-and-forget call of the service Protocols carries the
+    attempt as its first argument."""
+
+    MAX_KEPT = 64  # attempts remembered (an attempt nobody waits for any more is dropped oldest first)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_attempt: dict[str, str] = {}
+
+    def record(self, attempt: str, message: str) -> None:
+        with self._lock:
+            self._by_attempt.setdefault(attempt, message)  # the first failure is the cause
+            while len(self._by_attempt) > self.MAX_KEPT:
+                del self._by_attempt[next(iter(self._by_attempt))]
+
+    def get(self, attempt: str) -> str | None:
+        with self._lock:
+            return self._by_attempt.get(attempt)
+
+
 class Handle:
-    """``call`` blocks for the result; ``cast`` starts the call and does not wait. The method is
-    given as the Protocol's function (``RolloutAPI.sync``), so its arguments are type-checked."""
+    """``call`` blocks for the result; ``cast`` starts the call and does not wait (its failure is
+    recorded in ``failures`` under the attempt, its first argument). The method is given as the
+    Protocol's function (``RolloutAPI.sync``), so its arguments are type-checked."""
 
     name: str
+    failures: CastFailures
 
     def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         raise NotImplementedError
@@ -95,21 +121,44 @@ class Handle:
     def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
         raise NotImplementedError
 
+    def _cast_failed(self, what: str, attempt: Any, cause: BaseException) -> None:
+        self.failures.record(str(attempt), f"service {self.name}: {what} (fire and forget) failed: {cause}")
+
 
 class _LocalHandle(Handle):
-    def __init__(self, obj: Any, pool: ThreadPoolExecutor, name: str) -> None:
-        self.obj, self._pool, self.name = obj, pool, name
+    def __init__(self, obj: Any, pool: ThreadPoolExecutor, name: str, failures: CastFailures) -> None:
+        self.obj, self._pool, self.name, self.failures = obj, pool, name, failures
 
     def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         return getattr(self.obj, method.__name__)(*args, **kwargs)  # type: ignore[no-any-return]
 
     def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
-        self._pool.submit(getattr(self.obj, method.__name__), *args, **kwargs)
+        what = method.__name__
+        fut = self._pool.submit(getattr(self.obj, what), *args, **kwargs)
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                self._cast_failed(what, args[0] if args else "", exc)
+
+        fut.add_done_callback(done)
 
 
 class _RayHandle(Handle):
-    def __init__(self, actor: Any, timeout_s: float, name: str) -> None:
+    """A named actor. A handle whose actor died is dropped (``on_dead``): the next lookup finds the
+    rebuilt actor by name, so a service never keeps calling a peer that is gone."""
+
+    def __init__(
+        self,
+        actor: Any,
+        timeout_s: float,
+        name: str,
+        failures: CastFailures | None = None,
+        on_dead: Callable[[], None] = lambda: None,
+    ) -> None:
         self.actor, self.timeout_s, self.name = actor, timeout_s, name
+        self.failures = failures if failures is not None else CastFailures()
+        self._on_dead = on_dead
 
     def call(self, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         import ray
@@ -128,13 +177,42 @@ class _RayHandle(Handle):
                 raise cause from None
             raise ServiceError(f"service {self.name}: {what} failed: {cause}") from e
         except ray.exceptions.RayActorError as e:
+            self._on_dead()
             raise ServiceError(
-                f"service {self.name} died during {what} ({e}); the next step rebuilds it from the "
-                "committed state"
+                f"service {self.name} died during {what} ({_actor_death(e)}); the step fails and its "
+                "re-run rebuilds the service from the committed state"
             ) from e
 
     def cast(self, method: Callable[Concatenate[Any, P], Any], *args: P.args, **kwargs: P.kwargs) -> None:
-        getattr(self.actor, method.__name__).remote(*args, **kwargs)
+        import ray
+
+        what = method.__name__
+        attempt = args[0] if args else ""
+        try:
+            ref = getattr(self.actor, what).remote(*args, **kwargs)
+        except ray.exceptions.RayActorError as e:  # known dead already
+            self._on_dead()
+            self._cast_failed(what, attempt, RuntimeError(f"the service died ({_actor_death(e)})"))
+            return
+
+        def done(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is None:
+                return
+            if isinstance(exc, ray.exceptions.RayActorError):
+                self._on_dead()
+                exc = RuntimeError(f"the service died ({_actor_death(exc)})")
+            elif isinstance(exc, ray.exceptions.RayTaskError) and getattr(exc, "cause", None) is not None:
+                exc = exc.cause
+            self._cast_failed(what, attempt, exc)
+
+        ref.future().add_done_callback(done)
+
+
+def _actor_death(e: BaseException) -> str:
+    """The first line of Ray's actor-death message (it runs to a page of context)."""
+    text = str(e).strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
 
 
 # -- typed proxies --------------------------------------------------------------------------------
@@ -290,6 +368,7 @@ class ServiceRegistry(Peers):
         self.spec = spec
         self.digest = config_digest(spec.config_text)
         self._handles: dict[str, Handle] = {}
+        self.failures = CastFailures()
 
     def __reduce__(self) -> tuple[Any, ...]:  # into a Ray actor: the spec, not the live handles
         return (ServiceRegistry, (self.spec,))
@@ -311,6 +390,17 @@ class ServiceRegistry(Peers):
     def tracking(self) -> TrackingAPI:
         """The arm's MLflow run (the stages' only way to MLflow)."""
         return TrackingProxy(self._get("tracking"))
+
+    def cast_failure(self, attempt: str) -> str | None:
+        """The first fire-and-forget call of ``attempt`` made through this registry that failed."""
+        return self.failures.get(attempt)
+
+    def refresh(self) -> None:
+        self._handles.clear()
+
+    def _forget(self, role: str, handle: Handle) -> None:
+        if self._handles.get(role) is handle:
+            del self._handles[role]
 
     def disconnect(self) -> None:
         """Leave the Ray cluster if this process joined it; the services go on. A KFP task calls it
@@ -344,7 +434,7 @@ class ServiceRegistry(Peers):
                 obj.bind(self)
                 got = (self.digest, obj)
                 self._inline[name] = got
-        return _LocalHandle(got[1], self._pool, name)
+        return _LocalHandle(got[1], self._pool, name, self.failures)
 
     @classmethod
     def close_inline(cls) -> None:
@@ -382,7 +472,13 @@ class ServiceRegistry(Peers):
         actor_cls = ray.remote(SERVICE_CLASS[role])
         opts = self._actor_options(role)
         args = (self.spec.config_text, self.spec.arm, role)
-        handle = _RayHandle(actor_cls.options(**opts).remote(*args), self.spec.call_timeout_s, name)
+
+        def handle_of(actor: Any) -> _RayHandle:
+            h = _RayHandle(actor, self.spec.call_timeout_s, name, self.failures)
+            h._on_dead = lambda: self._forget(role, h)
+            return h
+
+        handle = handle_of(actor_cls.options(**opts).remote(*args))
         try:
             digest: str | None = handle.call(ServiceAPI.config_digest)
         except ServiceError:
@@ -391,7 +487,7 @@ class ServiceRegistry(Peers):
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(handle.actor, no_restart=True)
             _wait_gone(name, self.spec.namespace)
-            handle = _RayHandle(actor_cls.options(**opts).remote(*args), self.spec.call_timeout_s, name)
+            handle = handle_of(actor_cls.options(**opts).remote(*args))
             handle.call(ServiceAPI.config_digest)
         handle.call(ServiceAPI.bind, self)
         return handle

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -94,6 +95,7 @@ class RewardService(Service, RewardAPI):
     def begin(self, attempt: str, anchors: Anchors) -> RewardBegin:
         """Start an attempt: forget the previous one, restore the committed timeout anchors."""
         t0 = time.perf_counter()
+        self.peers.refresh()  # a trainer rebuilt since the last attempt is the one to hand groups to
         self._ready()
         self.timeouts.reset(dict(anchors))
         with self._lock:
@@ -156,7 +158,7 @@ class RewardService(Service, RewardAPI):
                 if left[0]:
                     return
             got = [r for r in box if r is not None]
-            samples = train_samples(group, [r.reward for r in got], scale=self.cfg.train.scale_advantages)
+            samples = train_samples(group, [r.reward for r in got], shaping=self.cfg.shaping())
             with self._lock:
                 if self._cur is not cur:
                     return
@@ -171,6 +173,18 @@ class RewardService(Service, RewardAPI):
         for i, fut in enumerate(futs):
             fut.add_done_callback(functools.partial(done, i))
 
+    def _wait(self, done: Callable[[], bool], attempt: str, timeout_s: float) -> bool:
+        """Wait (holding ``self._lock``) until ``done``, in slices of a second: a rewarded group
+        handed to the trainer that failed (the trainer raised or died) fails the wait at once."""
+        deadline = time.monotonic() + timeout_s
+        while not self._lock.wait_for(done, timeout=min(1.0, max(deadline - time.monotonic(), 0.0))):
+            failed = self.peers.cast_failure(attempt)
+            if failed is not None:
+                raise RewardError(f"{self.role} service: drain of attempt {attempt} cannot finish: {failed}")
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
     def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport:
         """Wait for every expected group's rewards; the step's reward metrics and timeout anchors."""
         t0 = time.perf_counter()
@@ -179,13 +193,16 @@ class RewardService(Service, RewardAPI):
         with self._lock:
             cur = self._cur
             if cur.attempt != attempt:
+                if not cur.attempt:
+                    raise RewardError(
+                        f"{self.role} service: drain of attempt {attempt}, but this service was rebuilt "
+                        "since the attempt began (the one that scored it died); re-run the step from its plan"
+                    )
                 raise RewardError(
                     f"{self.role} service: drain of attempt {attempt}, but the service is on attempt "
-                    f"{cur.attempt or '(none)'}; re-run the step from its plan"
+                    f"{cur.attempt}; re-run the step from its plan"
                 )
-            ok = self._lock.wait_for(
-                lambda: cur.error is not None or want <= set(cur.groups_done), timeout=timeout_s
-            )
+            ok = self._wait(lambda: cur.error is not None or want <= set(cur.groups_done), attempt, timeout_s)
             if cur.error is not None:
                 raise RewardError(f"{self.role} service: scoring failed: {cur.error}") from cur.error
             if not ok:

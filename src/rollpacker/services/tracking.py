@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from rollpacker.core.errors import RollpackerError
 from rollpacker.services.api import CommittedStep, TrackingAPI
 from rollpacker.services.base import Service
+
+T = TypeVar("T")
 
 
 class TrackingService(Service, TrackingAPI):
@@ -36,26 +40,46 @@ class TrackingService(Service, TrackingAPI):
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         return ExperimentTracker(self.cfg.tracking_uri, self.cfg.experiment)
 
+    def _guarded(self, call: Callable[[Any], T], check: bool = True) -> T:
+        """``call(tracker)``; a server that does not answer is a ``TrackingUnavailable`` within
+        seconds (``check`` first: no retries), whatever MLflow raised."""
+        from rollpacker.tracking import unreachable
+
+        t = self.tracker
+        if check:
+            t.check()  # fails fast (no retries) when the server is down
+        try:
+            return call(t)
+        except RollpackerError:
+            raise
+        except Exception as e:  # MLflow raises many types: the server went away mid-call
+            raise unreachable(self.cfg.tracking_uri, e) from e
+
     def check(self) -> str:
-        return str(self.tracker.check())
+        return str(self._guarded(lambda t: t.check(), check=False))
 
     def arm_run(self, arm: str, params: dict[str, str]) -> str:
-        return str(self.tracker.arm_run(arm, params))
+        return str(self._guarded(lambda t: t.arm_run(arm, params), check=False))
 
     def log_step(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_step(run_id, step, metrics)
+        self._guarded(lambda t: t.log_step(run_id, step, metrics), check=False)
 
     def state_pointer(self, run_id: str) -> tuple[str, int] | None:
-        got = self.tracker.state_pointer(run_id)
+        got = self._guarded(lambda t: t.state_pointer(run_id))
         return None if got is None else (str(got[0]), int(got[1]))
 
     def log_committed(self, commit: CommittedStep) -> None:
-        t = self.tracker
-        t.log_step(commit.run_id, commit.step, commit.metrics)
-        t.log_step_lengths(commit.run_id, commit.step, commit.round_kind, list(commit.lengths))
-        t.set_state_pointer(commit.run_id, commit.state_uri, commit.state_step)
-        if commit.last:
-            t.finish_arm(commit.run_id)
+        """A committed step; ``TrackingUnavailable`` within seconds when MLflow does not answer
+        (the commit stage then goes on: the next commit logs the step from its commit record)."""
+
+        def log(t: Any) -> None:
+            t.log_step(commit.run_id, commit.step, commit.metrics)
+            t.log_step_lengths(commit.run_id, commit.step, commit.round_kind, list(commit.lengths))
+            t.set_state_pointer(commit.run_id, commit.state_uri, commit.state_step)  # last: done
+            if commit.last:
+                t.finish_arm(commit.run_id)
+
+        self._guarded(log, check=False)  # the caller read the state pointer just before
 
     def log_profile(self, run_id: str, step: int, uri: str, doc: dict[str, Any]) -> None:
-        self.tracker.log_profile(run_id, step, uri, doc)
+        self._guarded(lambda t: t.log_profile(run_id, step, uri, doc))

@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import threading
@@ -54,8 +55,10 @@ from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
 from rollpacker.core.state import ControllerState
 from rollpacker.services.api import DeviceLease, PendingBatch, TrainerAPI, TrainerBegin, TrainReport
-from rollpacker.services.base import Service, checkpoint_cache
+from rollpacker.services.base import Service, ServiceError, checkpoint_cache
 from rollpacker.store.base import ObjectStore, cached_download
+
+log = logging.getLogger(__name__)
 
 
 class TrainerService(Service, TrainerAPI):
@@ -81,6 +84,7 @@ class TrainerService(Service, TrainerAPI):
 
     def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin:
         t0 = time.perf_counter()
+        self.peers.refresh()  # a rollout service rebuilt since the last attempt is the one to push to
         with self._cond:  # an older attempt's finish still waiting for its groups gives up now
             self._attempt = attempt
             self._cond.notify_all()
@@ -104,7 +108,8 @@ class TrainerService(Service, TrainerAPI):
         if self.stream is not None:
             self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
             self.stream = None
-        restored = self.trainer is None or self.checkpoint_uri != state.checkpoint_uri
+        broken = bool(getattr(self.trainer, "broken", ""))  # a megatron gang that lost a rank
+        restored = self.trainer is None or broken or self.checkpoint_uri != state.checkpoint_uri
         if restored:
             self._restore(state.checkpoint_uri, base_uri)
         if self.trainer.policy_version != state.policy_version:
@@ -122,12 +127,16 @@ class TrainerService(Service, TrainerAPI):
         return TrainerBegin(time.perf_counter() - t0, restored, self._pending)
 
     def _restore(self, checkpoint_uri: str, base_uri: str) -> None:
-        """The torch trainer at ``checkpoint_uri`` (weights, optimizer, RNG, policy version)."""
+        """The trainer at ``checkpoint_uri`` (weights, optimizer, RNG, policy version)."""
         from rollpacker.trainers.torch_trainer import TorchTrainer
 
         ck = cached_download(self.store(), checkpoint_uri, checkpoint_cache())
         base = cached_download(self.store(), base_uri, checkpoint_cache())
         cfg = self.cfg
+        if cfg.train.backend == "megatron":
+            self._restore_megatron(ck)
+            self.checkpoint_uri = checkpoint_uri
+            return
         self.trainer = TorchTrainer(
             ck / "model" if (ck / "model").is_dir() else ck,
             dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
@@ -137,6 +146,27 @@ class TrainerService(Service, TrainerAPI):
         if (ck / "trainer.json").is_file():
             self.trainer.load_checkpoint(ck)
         self.checkpoint_uri = checkpoint_uri
+
+    def _restore_megatron(self, ck: Path) -> None:
+        """The megatron gang at checkpoint ``ck``: the running gang reloads it (dist_checkpointing,
+        resharded to this layout); a broken gang (a rank died), none, or a restart from the base
+        model (fresh optimizer state) builds the gang anew first."""
+        from rollpacker.trainers.megatron.gang import MegatronTrainer
+
+        cfg = self.cfg
+        base = not (ck / "trainer.json").is_file()
+        if self.trainer is not None and (base or getattr(self.trainer, "broken", "")):
+            self.trainer.close()
+            self.trainer = None
+        if self.trainer is None:
+            self.trainer = MegatronTrainer(
+                ck / "model" if (ck / "model").is_dir() else ck,
+                dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
+                temperature=cfg.rollout.temperature,
+            )
+            if base:
+                return  # the base model: the gang was built from it
+        self.trainer.load_checkpoint(ck)
 
     def submit(self, attempt: str, prompt_id: str, samples: tuple[TrainSample, ...]) -> None:
         with self._cond:
@@ -229,6 +259,11 @@ class TrainerService(Service, TrainerAPI):
     ) -> TrainReport:
         timeout_s = self.cfg.services.call_timeout_s
         with self._cond:
+            if not self._attempt:
+                raise TrainerError(
+                    f"finish of attempt {attempt}, but this trainer was rebuilt since the attempt began "
+                    "(the one that held its gradients died); re-run the step from its plan"
+                )
             if attempt != self._attempt:
                 raise TrainerError(f"finish of attempt {attempt}, but the trainer is on {self._attempt}")
             ok = self._cond.wait_for(lambda: attempt != self._attempt or want <= self._got, timeout=timeout_s)
@@ -260,9 +295,24 @@ class TrainerService(Service, TrainerAPI):
                 return TrainReport(self.checkpoint_uri, self.trainer.policy_version, 0, pending_uri, held)
         return self._update(samples, wait_s, checkpoint_key, pending_uri)
 
+    def _push_weights(self, uri: str, weights: dict[str, Any]) -> None:
+        """The new weights into the rollout engine. A rollout service that died since the last push
+        (its handle is then dropped) is looked up again once: the rebuilt one takes them, or, with
+        no engine yet, loads the checkpoint at its next sync."""
+        try:
+            self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
+        except ServiceError as e:
+            if "died" not in str(e):
+                raise
+            log.warning("trainer: %s; pushing the weights to the rebuilt rollout service", e)
+            self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
+
     def _update(self, samples: int, wait_s: float, checkpoint_key: str, pending_uri: str) -> TrainReport:
         """The deferred optimizer step, the checkpoint in the store, the weight push."""
         lag = policy_lag(self._versions, self.trainer.policy_version)
+        # the trainer leaves its checkpoint now: should anything fail before the new one is stored,
+        # the next begin restores the committed one instead of trusting the weights in memory
+        self.checkpoint_uri = ""
         try:
             report = self.stream.finish()
         finally:
@@ -274,10 +324,12 @@ class TrainerService(Service, TrainerAPI):
             uri = self.store().upload_dir(ck, checkpoint_key)
         ckpt_s = time.perf_counter() - t_ck
         self.checkpoint_uri = uri
-        weights = {n: t.detach().clone() for n, t in self.trainer.weights()}
+        t_gather = time.perf_counter()
+        weights = {n: t.detach().clone() for n, t in self.trainer.weights()}  # megatron: gathered in buckets
         t_sync = time.perf_counter()
-        self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
+        self._push_weights(uri, weights)
         sync_s = time.perf_counter() - t_sync
+        gather_s = t_sync - t_gather
         st = report.stats
         return TrainReport(
             checkpoint_uri=uri,
@@ -298,6 +350,7 @@ class TrainerService(Service, TrainerAPI):
                 "train/kl": st.kl,
                 "train/checkpoint_s": ckpt_s,
                 "weights/sync_s": sync_s,
+                "sync/weights_s": gather_s + sync_s,  # gather (TP/PP shards to HF names) + push
                 **devices,
             },
         )
@@ -307,6 +360,8 @@ class TrainerService(Service, TrainerAPI):
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+        if self.trainer is not None and hasattr(self.trainer, "close"):  # the megatron gang's actors
+            self.trainer.close()
 
 
 _HAS_AFFINITY = hasattr(os, "sched_getaffinity")

@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+from rollpacker.core.errors import RollpackerError
 from rollpacker.core.state import ControllerState
 from rollpacker.services.api import CommittedStep
 from rollpacker.stages import hooks
@@ -64,7 +65,8 @@ def commit(
     ctx.states.put_blob(step, "commit.json", record.to_json().encode())
     ctx.states.commit(new)
     hooks.at("commit", step)  # committed, not yet in MLflow: the next plan repairs it
-    log_step(ctx, new, step, metrics, lengths)
+    # this step and any MLflow missed before (it was down), in order, from the commit records
+    ctx.tracking_optional(f"logging step {step} to MLflow", lambda: repair_tracking(ctx, new))
     return CommitOutput(step, plan.attempt, False, record.state_uri, r.round_kind, metrics)
 
 
@@ -178,3 +180,17 @@ def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerSta
 
 def _dirs(ctx: StageContext, prefix: str) -> list[str]:
     return sorted({k[len(prefix) :].split("/", 1)[0] for k in ctx.store.list(prefix)})
+
+
+def repair_tracking(ctx: StageContext, state: ControllerState) -> None:
+    """Log to MLflow every committed step it misses, up to ``state``'s, in order, from the steps'
+    commit records (MLflow's state pointer says how far it got): the step just committed, and any
+    step whose logging failed before (MLflow down, or a commit that died after moving the pointer)."""
+    pointer = ctx.tracker.state_pointer(state.mlflow_run_id)
+    for step in range((pointer[1] if pointer is not None else -1) + 1, state.step + 1):
+        try:
+            rec = CommitRecord.from_json(ctx.states.get_blob(step, "commit.json").decode())
+            lens = LengthsLog.from_json(ctx.states.get_blob(step, "lengths.json").decode())
+        except RollpackerError:
+            continue
+        log_step(ctx, ctx.states.load(step), step, rec.metrics, lens)

@@ -8,17 +8,24 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rollpacker.core.config import ExperimentConfig, arm_config
+from rollpacker.core.errors import TrackingUnavailable
 from rollpacker.core.state import ControllerState, StateError
 from rollpacker.services.api import TrackingAPI
+from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry
 from rollpacker.stages.messages import StepPlan
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
 from rollpacker.tasks.models import model_identity
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,6 +50,20 @@ class StageContext:
         states = StateStore(store, cfg.experiment, arm)
         services = ServiceRegistry(RegistrySpec.of(config_text, cfg, arm, services_mode))
         return cls(config_text, arm, cfg, store, states, services, process_start)
+
+    def tracking_optional(self, what: str, call: Callable[[], object]) -> bool:
+        """Run a tracking ``call`` that the step does not depend on (MLflow is never the source of
+        truth); when MLflow does not answer, or the tracking service died, say so and go on: the
+        next plan logs what was missed from the commit records. True when it went through."""
+        try:
+            call()
+        except (TrackingUnavailable, ServiceError) as e:
+            log.warning("%s skipped, MLflow is not reachable now (the next step logs it): %s", what, e)
+            print(
+                f"[{self.arm}] warning: {what} skipped: {str(e).splitlines()[0]}", file=sys.stderr, flush=True
+            )
+            return False
+        return True
 
     @property
     def tracker(self) -> TrackingAPI:

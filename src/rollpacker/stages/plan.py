@@ -15,11 +15,10 @@ import dataclasses
 import time
 import uuid
 
-from rollpacker.core.errors import RollpackerError
 from rollpacker.core.state import ControllerState, TPPlan
-from rollpacker.stages.commit import log_step
+from rollpacker.stages.commit import repair_tracking
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, CommitRecord, LengthsLog, StepPlan
+from rollpacker.stages.messages import Clock, StepPlan
 from rollpacker.stages.rollout import begin_round
 from rollpacker.tasks.models import prepare_model
 from rollpacker.tracking import flatten_params
@@ -29,13 +28,13 @@ def plan(ctx: StageContext) -> StepPlan:
     """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
     clock = Clock(ctx.process_start)  # a step's wall clock starts with its plan task's process
     ctx.store.check()
-    ctx.tracker.check()
     state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
     t_init = time.perf_counter()
     if state is None:
+        ctx.tracker.check()  # an arm starts only with MLflow up: its run holds the comparison
         state = _init_state(ctx)
-    else:
-        repair_tracking(ctx, state)
+    else:  # the state is the truth: a step goes on without MLflow, and logs what it missed later
+        ctx.tracking_optional("logging the steps MLflow missed", lambda: _check_and_repair(ctx, state))
     step = state.next_step
     attempt = uuid.uuid4().hex[:12]
     skipped = StepPlan(
@@ -100,14 +99,6 @@ def _init_state(ctx: StageContext) -> ControllerState:
     return state
 
 
-def repair_tracking(ctx: StageContext, state: ControllerState) -> None:
-    """A commit that died after moving the pointer but before MLflow logged the step: log it now
-    from the step's commit record."""
-    pointer = ctx.tracker.state_pointer(state.mlflow_run_id)
-    for step in range((pointer[1] if pointer is not None else -1) + 1, state.step + 1):
-        try:
-            rec = CommitRecord.from_json(ctx.states.get_blob(step, "commit.json").decode())
-            lens = LengthsLog.from_json(ctx.states.get_blob(step, "lengths.json").decode())
-        except RollpackerError:
-            continue
-        log_step(ctx, ctx.states.load(step), step, rec.metrics, lens)
+def _check_and_repair(ctx: StageContext, state: ControllerState) -> None:
+    ctx.tracker.check()
+    repair_tracking(ctx, state)

@@ -14,5 +14,9 @@ def profile(ctx: StageContext, plan: StepPlan) -> ProfileOutput:
     key = ctx.profile_key(plan.attempt)
     summary = ctx.services.rollout().profile(key)
     if plan.run_id:
-        ctx.tracker.log_profile(plan.run_id, plan.step + 1, summary.uri, ctx.store.get_json(key))
+        doc = ctx.store.get_json(key)
+        ctx.tracking_optional(
+            "logging the profile",
+            lambda: ctx.tracker.log_profile(plan.run_id, plan.step + 1, summary.uri, doc),
+        )
     return ProfileOutput(summary, clock.timing())

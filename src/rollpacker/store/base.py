@@ -59,6 +59,11 @@ class StoreError(RollpackerError, RuntimeError):
     """The object store cannot be reached or used, or an object or URI is missing or malformed."""
 
 
+class StoreUnavailable(StoreError):
+    """The store did not answer (refused, reset, timed out, or a 5xx): possibly for a while only;
+    ``PatientStore`` retries these and nothing else."""
+
+
 @runtime_checkable
 class ObjectStore(Protocol):
     """One bucket (S3) or one directory (file store) of objects; see the module's Contract."""

@@ -31,6 +31,7 @@ from xml.etree import ElementTree
 from rollpacker.core.config import StoreConfig
 from rollpacker.store.base import (
     StoreError,
+    StoreUnavailable,
     check_dir_prefix,
     check_key,
     download_atomically,
@@ -185,7 +186,7 @@ class S3Store:
     # -- errors ----------------------------------------------------------------------------------
 
     def _endpoint_error(self, detail: str) -> StoreError:
-        return StoreError(
+        return StoreUnavailable(
             f"store.endpoint = {self.endpoint!r}: no S3 server answers ({detail}); start the local one "
             "with `make up` or fix store.endpoint"
         )
@@ -210,6 +211,8 @@ class S3Store:
         if isinstance(e, urllib3.exceptions.HTTPError):
             reason = getattr(e, "reason", None) or e
             return self._endpoint_error(f"{type(reason).__name__}: {short(reason)}")
+        if isinstance(e, ServerError) and 500 <= e.status_code < 600:
+            return StoreUnavailable(f"{what}: the S3 server at {self.endpoint} answered {e.status_code}")
         if isinstance(e, (InvalidResponseError, ServerError, ElementTree.ParseError)):
             return StoreError(
                 f"store.endpoint = {self.endpoint!r}: the server there does not answer like S3 "

@@ -7,6 +7,16 @@ scaled by the whole batch's denominator, so the update equals the monolithic-bat
 (``rollpacker.core.stream_math``). With ``stream=False`` the same object buffers the samples and
 trains them after rollout (the synchronous baseline's training stage).
 
+Batch-scope advantages (``train.advantage: reinforce_pp``; ``rollpacker.core.advantages``): the
+advantage of a token depends on the mean and std of every token return in the batch, which only
+the last group fixes, and PPO's clipped loss is not linear in the advantage (which side of the
+``min`` a token takes depends on the advantage's sign). So the worker computes what each group
+needs alone while rollout runs (its reference-model forward, its KL-in-reward token returns) and
+merges their sufficient statistics (``ReturnStats``: count, sum, sum of squares); ``finish``
+normalizes every token's return with the batch's statistics and then accumulates the gradient and
+steps once. The update is the monolithic one exactly (tests/trainers/test_algorithms.py); the
+part that overlaps rollout is the reference forward, not the policy gradient.
+
 Repurposed devices (RollPacker 4.4, ``rollout.scale_down``): ``place(cores)`` moves the gradient
 worker onto CPU cores that rollout freed: from its next chunk on it runs ``len(cores)`` intra-op
 threads pinned to exactly those cores (``torch.set_num_threads`` and ``sched_setaffinity`` of the
@@ -15,7 +25,8 @@ worker thread; OpenMP threads it starts inherit the mask), and ``place(None)`` p
 only where.
 
 Invariants:
-- every submitted sample is accumulated exactly once before ``finish`` steps;
+- every submitted sample is accumulated exactly once before ``finish`` steps (batch scope: after
+  the last group is in, with the whole batch's statistics);
 - no optimizer step happens before ``finish``;
 - an error in the worker surfaces at the next ``submit`` or at ``finish`` (never silently lost);
 - each chunk runs under the placement last requested before it started.
@@ -31,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from rollpacker.core.advantages import TrainSample
+from rollpacker.core.advantages import ReturnStats, Scope, TrainSample
 from rollpacker.core.errors import TrainerError
 from rollpacker.trainers.base import TrainStats
 from rollpacker.trainers.torch_trainer import TorchTrainer
@@ -58,6 +69,9 @@ class StreamTrainer:
         self._error: BaseException | None = None
         self._streamed = 0
         self._overlap_s = 0.0
+        self._batch_scope = trainer.estimator.scope is Scope.BATCH
+        self._held: list[tuple[list[TrainSample], list[tuple[float, ...]]]] = []  # batch scope
+        self._stats = ReturnStats()
         self._finishing = False
         self._placement: frozenset[int] | None = None  # cores to run on; None = the base placement
         self._thread: threading.Thread | None = None
@@ -85,14 +99,32 @@ class StreamTrainer:
                 if item is _PLACE:
                     continue
                 if self._error is None:
-                    st = self.trainer.accumulate(cast(list[TrainSample], item))
-                    if not self._finishing:
-                        self._streamed += st.samples
-                        self._overlap_s += st.seconds
+                    self._work(cast(list[TrainSample], item))
             except BaseException as e:  # surfaced to the caller
                 self._error = e
             finally:
                 self._q.task_done()
+
+    def _work(self, samples: list[TrainSample]) -> None:
+        """One chunk: its gradient, or (batch scope) its returns and their statistics."""
+        t0 = time.perf_counter()
+        if self._batch_scope:
+            returns = self.trainer.returns(samples)
+            self._held.append((samples, returns))
+            self._stats = self._stats.merge(ReturnStats.of(returns))
+            n = len(samples)
+        else:
+            n = self.trainer.accumulate(samples).samples
+        if not self._finishing:
+            self._streamed += n
+            self._overlap_s += time.perf_counter() - t0
+
+    def _finish_batch_scope(self) -> None:
+        """Normalize every held chunk with the batch's statistics, then accumulate its gradient."""
+        held, stats = self._held, self._stats
+        self._held, self._stats = [], ReturnStats()
+        for samples, returns in held:
+            self.trainer.accumulate(self.trainer.batch_advantages(samples, returns, stats))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -127,6 +159,8 @@ class StreamTrainer:
             self._finishing = True
             self._q.join()
             self._raise_if_failed()
+            if self._batch_scope:
+                self._finish_batch_scope()
             stats = self.trainer.finish_step()
         else:
             stats = self.trainer.train_batch(self._buffer)

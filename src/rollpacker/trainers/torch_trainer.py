@@ -18,7 +18,10 @@ mini-batches takes every sample's ``q`` before its first optimizer step.
     l_kl  = exp(q - p) - (q - p) - 1          (k3 estimator, q = reference logprob; kl_coef > 0)
     l     = l_pg + kl_coef * l_kl
 
-and the loss is ``(1 / D) * sum_i sum_t w_i * l`` (``rollpacker.core.stream_math``). ``accumulate``
+and the loss is ``(1 / D) * sum_i sum_t w_i * l`` (``rollpacker.core.stream_math``). ``A`` is
+per token where the advantage estimator gives per-token advantages (``train.advantage:
+reinforce_pp``: ``batch_advantages`` normalizes them over the whole batch before any gradient;
+``returns`` computes each group's part, the KL in the reward, as groups arrive). ``accumulate``
 backpropagates the unnormalized sum of each chunk; ``finish_step`` divides the summed gradient by
 the batch's ``D``, clips the global norm, and takes one AdamW step.
 
@@ -31,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -45,12 +49,19 @@ from typing import Any
 
 import torch
 
-from rollpacker.core.advantages import TrainSample
+from rollpacker.core.advantages import (
+    ReturnStats,
+    Scope,
+    TrainSample,
+    get_advantage_estimator,
+    normalized,
+    token_returns,
+)
 from rollpacker.core.config import TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
 from rollpacker.trainers.base import AccumStats, TrainStats
-from rollpacker.trainers.objectives import get_objective
+from rollpacker.trainers.objectives import PgInputs, get_objective
 
 CHECKPOINT_VERSION = 1
 _TOKENIZER_FILES = (
@@ -95,7 +106,7 @@ class TorchTrainer:
         self.model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=dtype).to(self.device)
         self.model.train()
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 or cfg.reward_kl_coef > 0:
             ref_dir = Path(ref_model_dir or self.model_dir)
             self.ref_model = AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=dtype).to(self.device)
             self.ref_model.eval()
@@ -111,6 +122,7 @@ class TorchTrainer:
         self.optimizer_steps = 0
         # ``auto`` is resolved per arm (ExperimentConfig.for_arm); unresolved, it trains with ppo
         self.objective = get_objective("ppo" if cfg.objective == "auto" else cfg.objective)
+        self.estimator = get_advantage_estimator(cfg.advantage_estimator)
         self._prox: dict[str, list[float]] = {}  # sample id -> proximal logprobs (mini-batches)
         self._lock = threading.Lock()
         self._reset_accum()
@@ -135,6 +147,11 @@ class TorchTrainer:
         t0 = time.perf_counter()
         loss_sum = 0.0
         tokens = 0
+        if self.estimator.scope is Scope.BATCH and any(not s.token_advantages for s in samples):
+            raise TrainerError(
+                f"advantage {self.estimator.name!r} needs the whole batch: give accumulate the samples "
+                "of batch_advantages (StreamTrainer and train_batch do)"
+            )
         with self._lock:
             for mb in _micro_batches(samples, self.cfg.tokens_per_micro_batch):
                 out = self._loss_sum(mb)
@@ -193,6 +210,9 @@ class TorchTrainer:
             raise TrainerError("train_batch got no samples")
         if self.pending_samples:
             raise TrainerError("train_batch while streamed gradients are pending: finish_step first")
+        if self.estimator.scope is Scope.BATCH:
+            returns = self.returns(samples)
+            samples = self.batch_advantages(samples, returns, ReturnStats.of(returns))
         k = min(self.cfg.mini_batches, len(samples))
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
         # the proximal policy is the weights before the first step
@@ -220,6 +240,31 @@ class TorchTrainer:
             behav_weight=sum(s.behav_weight * s.tokens for s in steps) / sum(s.tokens for s in steps),
         )
 
+    # -- batch-scope advantages (REINFORCE++: core/advantages.py) -------------------------------
+    def returns(self, samples: Sequence[TrainSample]) -> list[tuple[float, ...]]:
+        """Each sample's token returns ``G_t`` (the KL in the reward needs the reference model);
+        independent of the rest of the batch, so the stream trainer computes them per group."""
+        beta = self.cfg.reward_kl_coef
+        if beta > 0 and self.ref_model is not None:
+            with self._lock:
+                refs = self.logprobs(samples, model=self.ref_model)
+        else:
+            refs = [list(s.behaviour_logprobs) for s in samples]
+        kind = self.cfg.kl_estimator
+        return [
+            token_returns(s.reward, s.behaviour_logprobs, q, beta, kind)
+            for s, q in zip(samples, refs, strict=True)
+        ]
+
+    def batch_advantages(
+        self, samples: Sequence[TrainSample], returns: Sequence[Sequence[float]], stats: ReturnStats
+    ) -> list[TrainSample]:
+        """The samples with per-token advantages normalized by the whole batch's ``stats``."""
+        return [
+            dataclasses.replace(s, token_advantages=normalized(g, stats))
+            for s, g in zip(samples, returns, strict=True)
+        ]
+
     # -- the loss ---------------------------------------------------------------------------------
     def _forward_logprobs(self, model: Any, mb: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs of each response token, [B, R] padded, and the response mask."""
@@ -243,7 +288,11 @@ class TorchTrainer:
             dtype=logp.dtype,
             device=self.device,
         )
-        adv = torch.tensor([s.advantage for s in mb], dtype=logp.dtype, device=self.device)[:, None]
+        adv = torch.tensor(
+            [list(s.advantages) + [0.0] * (width - s.num_tokens) for s in mb],
+            dtype=logp.dtype,
+            device=self.device,
+        )
         w = torch.tensor(
             [token_weight(self.norm, s.num_tokens) for s in mb], dtype=logp.dtype, device=self.device
         )[:, None]
@@ -258,12 +307,12 @@ class TorchTrainer:
             else:  # streamed: no update before finish_step, so the current weights are proximal
                 prox = logp.detach()
         terms = self.objective.per_token(
-            logp, behaviour, prox, adv, self.cfg.clip_eps_low, self.cfg.clip_eps_high
+            PgInputs(logp, behaviour, adv, mask, prox, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
         )
         pg, ratio, clipped_ratio, bw = terms.loss, terms.ratio, terms.clipped_ratio, terms.behav_weight
         per_tok = pg
         kl = torch.zeros_like(pg)
-        if self.ref_model is not None:
+        if self.ref_model is not None and self.cfg.kl_coef > 0:
             with torch.no_grad():
                 ref_logp, _ = self._forward_logprobs(self.ref_model, mb)
             delta = ref_logp - logp
@@ -284,11 +333,12 @@ class TorchTrainer:
         }
 
     @torch.no_grad()
-    def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
-        """The trainer's logprobs of each sample's response tokens under the current weights."""
+    def logprobs(self, samples: Sequence[TrainSample], model: Any = None) -> list[list[float]]:
+        """The trainer's logprobs of each sample's response tokens under the current weights (or
+        under ``model``, e.g. the reference)."""
         out: list[list[float]] = []
         for mb in _micro_batches(samples, self.cfg.tokens_per_micro_batch, keep_order=True):
-            logp, _ = self._forward_logprobs(self.model, mb)
+            logp, _ = self._forward_logprobs(self.model if model is None else model, mb)
             out.extend(logp[i, : s.num_tokens].tolist() for i, s in enumerate(mb))
         return out
 
@@ -320,7 +370,7 @@ class TorchTrainer:
                 "version": CHECKPOINT_VERSION,
                 "policy_version": self.policy_version,
                 "optimizer_steps": self.optimizer_steps,
-                "config": self.cfg.__dict__,
+                "config": dataclasses.asdict(self.cfg),
             }
             (tmp / "trainer.json").write_text(json.dumps(meta, indent=2))
             if path.exists():

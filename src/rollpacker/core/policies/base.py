@@ -17,7 +17,7 @@ Invariants (every round built on ``GroupedRound``):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rollpacker.core.errors import PolicyError
@@ -61,6 +61,17 @@ class Round(abc.ABC):
         the round runs). A group handed out here is in ``result().groups``, unchanged."""
         return ()
 
+    # Rounds that decide on rewards (DAPO's dynamic sampling, ``policies/dynamic.py``) set
+    # ``needs_rewards``: the runtime scores each group ``take_unjudged`` hands out and answers with
+    # ``observe_rewards``; only then does the group reach ``take_completed`` (or is dropped).
+    needs_rewards: bool = False
+
+    def take_unjudged(self) -> tuple[Group, ...]:
+        return ()
+
+    def observe_rewards(self, prompt_id: str, rewards: Sequence[float]) -> Actions:
+        raise PolicyError(f"step {self.plan.step}: this round does not take rewards ({prompt_id!r})")
+
 
 @dataclass
 class _PromptProgress:
@@ -100,18 +111,25 @@ class GroupedRound(Round):
         if self._started:
             raise PolicyError(f"step {self.plan.step}: round started twice")
         self._started = True
+        return Actions(submit=tuple(r for p in self.plan.prompts for r in self._launch(p)))
+
+    def _launch(self, p: Prompt) -> tuple[GenerationRequest, ...]:
+        """Open ``p``'s progress and its ``responses_per_prompt`` requests."""
+        prog = _PromptProgress(prompt=p, live=set(), finished=[])
+        self._progress[p.prompt_id] = prog
         reqs: list[GenerationRequest] = []
-        for p in self.plan.prompts:
-            prog = _PromptProgress(prompt=p, live=set(), finished=[])
-            self._progress[p.prompt_id] = prog
-            for j in range(self.plan.responses_per_prompt):
-                rid = request_id(self.plan.step, p.prompt_id, j, namespace=self._namespace)
-                reqs.append(
-                    GenerationRequest(request_id=rid, prompt=p, sample_index=j, sampling=self._sampling(p, j))
-                )
-                prog.live.add(rid)
-                self._owner[rid] = p.prompt_id
-        return Actions(submit=tuple(reqs))
+        for j in range(self.plan.responses_per_prompt):
+            rid = request_id(self.plan.step, p.prompt_id, j, namespace=self._namespace)
+            reqs.append(
+                GenerationRequest(request_id=rid, prompt=p, sample_index=j, sampling=self._sampling(p, j))
+            )
+            prog.live.add(rid)
+            self._owner[rid] = p.prompt_id
+        return tuple(reqs)
+
+    def _abort_all(self) -> Actions:
+        """Abort everything still running, across all prompts (the round is full)."""
+        return Actions(abort=tuple(sorted(r for q in self._progress.values() for r in q.live)))
 
     def observe(self, completion: Completion) -> Actions:
         pid = self._owner.get(completion.request_id)
@@ -133,9 +151,7 @@ class GroupedRound(Round):
         prog.complete = True
         self._complete_order.append(pid)
         if self.done:
-            # The round is full: abort everything still running, across all prompts.
-            rest = tuple(sorted(r for q in self._progress.values() for r in q.live))
-            return Actions(abort=rest)
+            return self._abort_all()
         return Actions(abort=tuple(sorted(prog.live)))
 
     @property

@@ -14,9 +14,18 @@ Invariants (each has a named test in tests/core/test_tail_batching.py):
 - a short round never launches a prompt that waits in the long-prompt queue: on a small dataset a
   prompt's wait can span an epoch boundary, and the cursor then hands it out again; that draw is
   skipped (consumed), so the prompt is trained once, from the queue, and never queued twice.
+
+With DAPO's dynamic sampling (``rollout.dynamic_sampling.enabled``) every round, short or long, is
+a ``DynamicSamplingRound``: a group without reward variance is dropped (its prompt consumed, never
+queued) and a replacement is drawn from the cursor, past the prompts drawn so far and skipping the
+queued ones, so a queued prompt is never drawn twice; replacements still running when the update
+is full are deferred to the queue like any aborted prompt (a long round may then defer too).
+tests/core/test_dynamic_sampling.py checks drawn == trained + queued + dropped, disjointly.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from rollpacker.core.config import RolloutConfig
 from rollpacker.core.errors import PolicyError
@@ -27,6 +36,7 @@ from rollpacker.core.policies.base import (
     SamplingFactory,
     check_result,
 )
+from rollpacker.core.policies.dynamic import DynamicSamplingRound
 from rollpacker.core.prompts import LongPromptQueue, PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, RoundResult, StepPlan
 
@@ -81,19 +91,48 @@ class TailBatchingPolicy(RolloutPolicy):
         )
 
     def open_round(self, plan: StepPlan) -> Round:
-        return GroupedRound(plan, self._sampling, self.namespace)
+        ds = self.cfg.dynamic_sampling
+        if not ds.enabled:
+            return GroupedRound(plan, self._sampling, self.namespace)
+        return DynamicSamplingRound(
+            plan, self._sampling, self._refill(plan), ds.max_extra_prompts, self.namespace
+        )
+
+    def _refill(self, plan: StepPlan) -> Callable[[int], tuple[Prompt, ...]]:
+        """Replacement prompts for ``plan``'s round: the cursor's next ones after those the step
+        drew already, skipping the queued prompts; records the cursor positions consumed."""
+        skip = {p.prompt_id for p in self.queue.snapshot()}
+        drawn = [0 if plan.round_kind is RoundKind.LONG else len(plan.prompts)]
+
+        def refill(n: int) -> tuple[Prompt, ...]:
+            try:
+                picked, ends = self.cursor.draw_excluding(drawn[0] + n, skip, "the long-prompt queue")
+            except PolicyError as e:
+                raise PolicyError(
+                    f"step {plan.step}: dynamic sampling needs replacement prompt {drawn[0] + n} in one "
+                    f"round and the prompt set cannot give it ({e}); use a larger prompt set or lower "
+                    "rollout.dynamic_sampling.max_extra_prompts"
+                ) from e
+            new = picked[drawn[0] :]
+            drawn[0] += n
+            self._consumed[plan.step] = ends[-1]
+            return new
+
+        return refill
 
     def commit(self, result: RoundResult) -> None:
         check_result(result)
         plan = result.plan
         if plan.round_kind is RoundKind.LONG:
-            if result.deferred or any(True for _ in result.discarded):
+            if not self.cfg.dynamic_sampling.enabled and (result.deferred or result.discarded):
                 raise PolicyError(f"step {plan.step}: a long round must not abort or defer")
             popped = self.queue.pop(len(plan.from_queue))
             if tuple(p.prompt_id for p in popped) != plan.from_queue:
                 raise PolicyError(
                     f"step {plan.step}: the long-prompt queue changed since the step was planned"
                 )
+            self.cursor.advance(self._consumed.pop(plan.step, 0))  # replacements drawn
+            self.queue.push(result.deferred)
         else:
             self.cursor.advance(self._consumed.pop(plan.step, len(plan.prompts)))
             self.queue.push(result.deferred)

@@ -15,24 +15,17 @@ from __future__ import annotations
 import torch
 
 from rollpacker.core.errors import TrainerError
-from rollpacker.trainers.objectives.base import Objective, PgTerms
+from rollpacker.trainers.objectives.base import Objective, PgInputs, PgTerms
 
 
-def per_token(
-    logp: torch.Tensor,
-    behaviour: torch.Tensor,
-    proximal: torch.Tensor | None,
-    advantage: torch.Tensor,
-    eps_low: float,
-    eps_high: float,
-) -> PgTerms:
-    if proximal is None:
+def per_token(x: PgInputs) -> PgTerms:
+    if x.proximal is None:
         raise TrainerError("decoupled_ppo needs the proximal logprobs: pass q (the detached logprobs)")
-    behav_weight = torch.exp(proximal - behaviour)  # pi_prox / pi_behav, no gradient
-    ratio = torch.exp(logp - proximal)
-    clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
-    loss = -torch.minimum(torch.exp(logp - behaviour) * advantage, behav_weight * clipped_ratio * advantage)
-    return PgTerms(loss, ratio, clipped_ratio, behav_weight)
+    behav_weight = torch.exp(x.proximal - x.behaviour)  # pi_prox / pi_behav, no gradient
+    ratio = torch.exp(x.logp - x.proximal)
+    c = x.clip(ratio)
+    loss = -torch.minimum(torch.exp(x.logp - x.behaviour) * x.advantage, behav_weight * c * x.advantage)
+    return PgTerms(loss, ratio, c, behav_weight)
 
 
 OBJECTIVE = Objective("decoupled_ppo", per_token, needs_proximal=True)

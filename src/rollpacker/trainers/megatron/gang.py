@@ -1,0 +1,479 @@
+"""The megatron-core backend: a gang of Ray actors (one per rank, in a placement group) behind the
+trainer port (``rollpacker.trainers.base.Trainer``).
+
+``MegatronTrainer`` is what the trainer service and the stream trainer drive; it is the gang's only
+driver. It checks the layout against the model before any process starts (``Qwen2Layout``:
+architecture, TP dividing heads and KV heads, PP dividing the layers), reserves ``tp * pp * dp``
+bundles, starts one ``RankWorker`` actor per bundle and joins them into one torch.distributed world
+(gloo on CPU, NCCL on GPU).
+
+Stream training across DP replicas: ``accumulate`` hands each group (all samples of one prompt) to
+the replica with the fewest tokens so far this step (every TP rank and PP stage of that replica
+gets the same samples); no DP communication happens until ``finish_step``, which computes the
+batch's denominator ``D`` from every accumulated length (``core/stream_math.py``) and has every rank
+reduce once, scale by ``1 / D`` and step. The update is therefore the monolithic one whichever
+replica got which group, in whatever order.
+
+Weights out (``weight_buckets``): per pipeline stage, buckets of at most ``bucket_mb`` of full
+tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names.
+
+Failure: a rank that dies (``RayActorError``) fails the call with a ``TrainerError`` naming the
+rank, and marks the gang ``broken``; the trainer service then rebuilds the gang from the last
+checkpoint on the next attempt (``TrainerService._begin``).
+
+Invariants:
+- a bad layout or an unsupported model is refused before any actor starts;
+- ``accumulate`` never changes weights (only gradient buffers of the receiving replica);
+- every group of a step lands on exactly one DP replica; ``finish_step`` needs all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollpacker.core.advantages import TrainSample, get_advantage_estimator
+from rollpacker.core.config import MegatronConfig, TrainerConfig
+from rollpacker.core.errors import TrainerError
+from rollpacker.core.stream_math import LossNorm, denominator
+from rollpacker.trainers.base import AccumStats, TrainStats
+from rollpacker.trainers.megatron.convert import Qwen2Layout
+from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
+
+CHECKPOINT_VERSION = 1
+
+
+def check_layout(model_dir: str | Path, mcfg: MegatronConfig) -> Qwen2Layout:
+    """The model's layout, after refusing (by name) what the gang could not run."""
+    lay = Qwen2Layout.from_dir(model_dir)
+    lay.check_parallel(mcfg.tp, mcfg.pp)
+    return lay
+
+
+class MegatronTrainer:
+    """The trainer port on a megatron-core gang (TP x PP x DP ranks, one Ray actor each)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: TrainerConfig,
+        temperature: float = 1.0,
+        ref_model_dir: str | Path | None = None,
+    ) -> None:
+        if temperature <= 0:
+            raise TrainerError(
+                f"temperature = {temperature}: policy-gradient training needs sampled responses"
+            )
+        self.cfg, self.mcfg = cfg, cfg.megatron
+        self.model_dir = Path(model_dir)
+        self.layout = check_layout(self.model_dir, self.mcfg)  # before any process starts
+        self.estimator = get_advantage_estimator(cfg.advantage_estimator)
+        if self.estimator.scope.name == "BATCH":
+            raise TrainerError(
+                f"train.advantage {self.estimator.name!r} needs batch-scope returns, which the megatron "
+                "backend does not compute yet: use train.backend: torch"
+            )
+        self.norm = LossNorm(cfg.loss_norm)
+        self.temperature = float(temperature)
+        # this (driver) process's generators, seeded and checkpointed as the torch backend does: an
+        # in-process rollout engine samples from them, so a resumed run samples what an
+        # uninterrupted one would
+        torch.manual_seed(cfg.seed)
+        self.policy_version = 0
+        self.optimizer_steps = 0
+        self.broken = ""
+        self._saved: tuple[int, dict[str, Any]] | None = None  # the weights save_checkpoint gathered
+        self._pg: Any = None
+        self.actors: list[Any] = []
+        self._start()
+        self._reset_accum()
+
+    # -- the gang -----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from rollpacker.trainers.megatron.worker import RankSpec, RankWorker
+
+        m = self.mcfg
+        n = m.ranks
+        if not ray.is_initialized():  # outside a cluster (tests, the inline runner): a local Ray
+            _local_ray(max(n * m.cpus_per_rank, os.cpu_count() or 1))
+        bundle = {"CPU": m.cpus_per_rank, **({"GPU": m.gpus_per_rank} if m.gpus_per_rank else {})}
+        if m.resource:
+            bundle[m.resource] = 1.0
+        self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=300)
+        except Exception as e:
+            self.close()
+            raise TrainerError(
+                f"the megatron gang needs {n} bundles of {bundle} (train.megatron: tp {m.tp} x pp {m.pp} x "
+                f"dp {m.data_parallel}); Ray could not place them in 300 s: {e}"
+            ) from e
+
+        def where(i: int) -> Any:
+            return PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i)
+
+        addr, port = ray.get(_rendezvous.options(scheduling_strategy=where(0), num_cpus=0).remote())
+        spec = RankSpec(
+            model_dir=str(self.model_dir),
+            train=self.cfg,
+            tp=m.tp,
+            pp=m.pp,
+            dp=m.data_parallel,
+            temperature=self.temperature,
+            master_addr=addr,
+            master_port=port,
+            optimizer=m.optimizer,
+            distributed_optimizer=m.distributed_optimizer,
+            use_cuda=m.gpus_per_rank > 0,
+            threads=max(1, int(m.cpus_per_rank)),
+            dtype=m.dtype,
+        )
+        actor = ray.remote(RankWorker)
+        self.actors = [
+            actor.options(
+                scheduling_strategy=where(i), num_cpus=m.cpus_per_rank, num_gpus=m.gpus_per_rank or None
+            ).remote(spec, i)
+            for i in range(n)
+        ]
+        coords = self._get([a.coords.remote() for a in self.actors], "start")
+        self.coords: list[tuple[int, int, int]] = coords  # (tp, pp, dp) of each rank
+        self.dp = m.data_parallel
+        self.pp = m.pp
+
+    def _get(self, refs: list[Any], what: str) -> list[Any]:
+        import ray
+
+        if self.broken:
+            raise TrainerError(f"the megatron gang is broken ({self.broken}): rebuild it from a checkpoint")
+        try:
+            return list(ray.get(refs))
+        except ray.exceptions.RayActorError as e:
+            self.broken = f"a rank died during {what}"
+            raise TrainerError(
+                f"megatron gang: a rank died during {what}; the step fails and the gang is rebuilt from the "
+                f"last checkpoint on the next attempt ({e.__class__.__name__}: {_tail(e)})"
+            ) from e
+        except ray.exceptions.RayTaskError as e:
+            raise TrainerError(f"megatron gang: {what} failed on a rank: {_tail(e)}") from e
+
+    def _ranks(self, *, dp: int | None = None, pp: int | None = None, tp: int | None = None) -> list[int]:
+        return [
+            i
+            for i, (t, p, d) in enumerate(self.coords)
+            if (dp is None or d == dp) and (pp is None or p == pp) and (tp is None or t == tp)
+        ]
+
+    def _head(self, dp: int, pp: int | None = None) -> int:
+        """The rank whose answer counts: (tp 0, the last stage, or ``pp``, replica ``dp``)."""
+        return self._ranks(dp=dp, pp=self.pp - 1 if pp is None else pp, tp=0)[0]
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return self._get([getattr(a, method).remote(*args) for a in self.actors], method)
+
+    # -- the trainer port ----------------------------------------------------------------------------
+    def _reset_accum(self) -> None:
+        self._lengths: list[int] = []
+        self._tokens = [0] * self.mcfg.data_parallel
+        self._acc: dict[str, float] = defaultdict(float)
+        if self.actors and not self.broken:
+            self._all("reset_accum")
+
+    @property
+    def pending_samples(self) -> int:
+        return len(self._lengths)
+
+    def _place(self, samples: Sequence[TrainSample]) -> list[list[TrainSample]]:
+        """Groups (by prompt) onto DP replicas, each to the one with the fewest tokens so far."""
+        groups: dict[str, list[TrainSample]] = defaultdict(list)
+        for s in samples:
+            groups[s.prompt_id].append(s)
+        out: list[list[TrainSample]] = [[] for _ in range(self.dp)]
+        for g in sorted(groups.values(), key=lambda g: -sum(len(s.prompt_ids) + s.num_tokens for s in g)):
+            d = min(range(self.dp), key=lambda r: (self._tokens[r], r))
+            out[d].extend(g)
+            self._tokens[d] += sum(len(s.prompt_ids) + s.num_tokens for s in g)
+        return out
+
+    def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats:
+        t0 = time.perf_counter()
+        parts = self._place(samples)
+        refs, heads = [], []
+        for d, part in enumerate(parts):
+            if not part:
+                continue
+            for i in self._ranks(dp=d):
+                refs.append(self.actors[i].accumulate.remote(part))
+                if i == self._head(d):
+                    heads.append(len(refs) - 1)
+        got = self._get(refs, "accumulate")
+        loss_sum = 0.0
+        for h in heads:
+            for k, v in got[h].items():
+                if k != "seconds":
+                    self._acc[k] += v
+            loss_sum += got[h]["loss_sum"]
+        self._lengths.extend(s.num_tokens for s in samples)
+        dt = time.perf_counter() - t0
+        self._acc["seconds"] += dt
+        return AccumStats(len(samples), sum(s.num_tokens for s in samples), loss_sum, dt)
+
+    def finish_step(self) -> TrainStats:
+        if not self._lengths:
+            raise TrainerError("finish_step with no accumulated samples: accumulate a batch first")
+        t0 = time.perf_counter()
+        d = denominator(self.norm, self._lengths)
+        out = self._all("finish_step", float(d))[0]
+        self.optimizer_steps += 1
+        self.policy_version += 1
+        self._saved = None
+        n_tok = sum(self._lengths)
+        a = self._acc
+        stats = TrainStats(
+            samples=len(self._lengths),
+            tokens=n_tok,
+            loss=a["loss_sum"] / d,
+            grad_norm=out["grad_norm"],
+            clip_frac=a["clipped"] / n_tok,
+            ratio_mean=a["ratio_sum"] / n_tok,
+            kl=a["kl_sum"] / n_tok,
+            policy_version=self.policy_version,
+            seconds=a["seconds"] + time.perf_counter() - t0,
+            behav_weight=a["bw_sum"] / n_tok,
+        )
+        self._reset_accum()
+        return stats
+
+    def train_batch(self, samples: Sequence[TrainSample]) -> TrainStats:
+        """Monolithic path: ``mini_batches`` optimizer steps over contiguous slices."""
+        if not samples:
+            raise TrainerError("train_batch got no samples")
+        k = min(self.cfg.mini_batches, len(samples))
+        if k > 1 and self.cfg.objective == "decoupled_ppo":
+            raise TrainerError("decoupled_ppo with mini_batches > 1 is not supported by the megatron backend")
+        bounds = [round(i * len(samples) / k) for i in range(k + 1)]
+        steps = []
+        for a, b in itertools.pairwise(bounds):
+            self.accumulate(samples[a:b])
+            steps.append(self.finish_step())
+        tok = sum(s.tokens for s in steps)
+        return TrainStats(
+            samples=sum(s.samples for s in steps),
+            tokens=tok,
+            loss=sum(s.loss for s in steps) / len(steps),
+            grad_norm=sum(s.grad_norm for s in steps) / len(steps),
+            clip_frac=sum(s.clip_frac * s.tokens for s in steps) / tok,
+            ratio_mean=sum(s.ratio_mean * s.tokens for s in steps) / tok,
+            kl=sum(s.kl * s.tokens for s in steps) / tok,
+            policy_version=self.policy_version,
+            seconds=sum(s.seconds for s in steps),
+            optimizer_steps=len(steps),
+            behav_weight=sum(s.behav_weight * s.tokens for s in steps) / tok,
+        )
+
+    def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:
+        """Contiguous slices per DP replica (input order kept)."""
+        items = list(samples)
+        bounds = [round(i * len(items) / self.dp) for i in range(self.dp + 1)]
+        refs, heads = [], []
+        for d in range(self.dp):
+            part = items[bounds[d] : bounds[d + 1]]
+            if not part:
+                continue
+            for i in self._ranks(dp=d):
+                refs.append(self.actors[i].logprobs.remote(part))
+                if i == self._head(d):
+                    heads.append(len(refs) - 1)
+        got = self._get(refs, "logprobs")
+        return [lp for h in heads for lp in got[h]]
+
+    def grads_hf(self) -> dict[str, Any]:
+        """The reduced, ``1 / D``-scaled gradient in HF names, without a step (exactness checks).
+        Drops the accumulated gradients."""
+        d = denominator(self.norm, self._lengths)
+        got = self._all("grads_hf", float(d))
+        out: dict[str, Any] = {}
+        for p in range(self.pp):
+            out.update(got[self._head(0, p)])
+        self._reset_accum()
+        return out
+
+    # -- weights out -------------------------------------------------------------------------------
+    def weight_buckets(self) -> Iterator[dict[str, Any]]:
+        """HF-named full tensors, stage by stage, in buckets of at most ``bucket_mb`` (a tensor
+        larger than that comes alone)."""
+        limit = int(self.mcfg.bucket_mb * 2**20)
+        for p in range(self.pp):
+            ranks = self._ranks(pp=p, dp=0)
+            head = self._head(0, p)
+            plan = self._get([self.actors[head].bucket_plan.remote(limit)], "bucket_plan")[0]
+            for names in plan:
+                got = self._get([self.actors[i].export_bucket.remote(names) for i in ranks], "weights")
+                yield got[ranks.index(head)]
+
+    def weights(self) -> Iterator[tuple[str, Any]]:
+        """(HF name, tensor) pairs, ``lm_head.weight`` included when tied (vLLM on CPU needs it).
+        Right after ``save_checkpoint`` the set it gathered is handed out (once) instead of
+        gathering again: the trainer service saves, then pushes."""
+        cached, self._saved = self._saved, None
+        if cached is not None and cached[0] == self.policy_version:
+            yield from cached[1].items()
+            return
+        for bucket in self.weight_buckets():
+            yield from bucket.items()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path) -> Path:
+        """``model/`` (HF, loadable by vLLM), ``dist/`` (dist_checkpointing: model + optimizer,
+        reshardable), ``trainer.json``; written to a sibling and renamed. The directory must be on a
+        filesystem every rank sees (one node, or a shared volume)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if self.pending_samples:
+            raise TrainerError("checkpoint with streamed gradients pending: finish_step first")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
+        try:
+            self._all("save_checkpoint", str(tmp / "dist"))
+            (tmp / "model").mkdir()
+            gathered = {n: t.contiguous() for n, t in self.weights()}
+            state = {n: t for n, t in gathered.items() if n != "lm_head.weight" or not self.layout.tied}
+            save_file(state, str(tmp / "model" / "model.safetensors"), metadata={"format": "pt"})
+            for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
+                if (self.model_dir / f).is_file():
+                    shutil.copy2(self.model_dir / f, tmp / "model" / f)
+            meta = {
+                "version": CHECKPOINT_VERSION,
+                "backend": "megatron",
+                "policy_version": self.policy_version,
+                "optimizer_steps": self.optimizer_steps,
+                "layout": {"tp": self.mcfg.tp, "pp": self.mcfg.pp, "dp": self.dp},
+            }
+            (tmp / "trainer.json").write_text(json.dumps(meta, indent=2))
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            self._saved = (self.policy_version, gathered)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Weights and optimizer state from ``dist/`` (resharded to this gang's layout)."""
+        path = Path(path)
+        meta_f = path / "trainer.json"
+        if not meta_f.is_file():
+            raise TrainerError(f"{path} is not a trainer checkpoint (no trainer.json)")
+        meta = json.loads(meta_f.read_text())
+        if meta.get("backend") != "megatron" or not (path / "dist").is_dir():
+            # a torch-backend checkpoint (or the base model): weights only, from model/
+            self._load_hf_dir(path / "model" if (path / "model").is_dir() else path)
+        else:
+            self._all(
+                "load_checkpoint",
+                str(path / "dist"),
+                int(meta["policy_version"]),
+                int(meta["optimizer_steps"]),
+            )
+        if (path / "rng.pt").is_file():
+            rng = torch.load(path / "rng.pt", weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+        self.policy_version = int(meta["policy_version"])
+        self.optimizer_steps = int(meta["optimizer_steps"])
+        self._saved = None
+        self._reset_accum()
+
+    def _load_hf_dir(self, model_dir: Path) -> None:
+        from rollpacker.trainers.megatron.worker import _read_hf
+
+        hf = _read_hf(model_dir)
+        self._all("load_hf", hf)
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        self.actors = []
+        if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self._pg)
+            self._pg = None
+
+
+def _local_ray(num_cpus: float, attempts: int = 3) -> None:
+    """Start a local Ray head for the gang. Ray gives its raylet a fixed 30 s to register, which a
+    loaded 2-core machine can miss: retried ``attempts`` times before the error is raised."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for i in range(attempts):
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            return
+        except Exception as e:
+            ray.shutdown()
+            if i == attempts - 1 or "timed out during startup" not in str(e):
+                raise TrainerError(f"could not start a local Ray for the megatron gang: {e}") from e
+
+
+def _tail(e: BaseException, n: int = 600) -> str:
+    """The end of a remote error (its cause is last)."""
+    text = str(e).strip()
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _rendezvous_impl() -> tuple[str, int]:
+    """The address and a free port on the node of rank 0's bundle."""
+    import socket
+
+    import ray
+
+    addr = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return addr, port
+
+
+def _remote_rendezvous() -> Any:
+    import ray
+
+    return ray.remote(_rendezvous_impl)
+
+
+class _Lazy:
+    """``ray.remote`` applied on first use (ray is imported lazily)."""
+
+    def __init__(self) -> None:
+        self._fn: Any = None
+
+    def options(self, **kw: Any) -> Any:
+        if self._fn is None:
+            self._fn = _remote_rendezvous()
+        return self._fn.options(**kw)
+
+
+_rendezvous = _Lazy()
