@@ -1,5 +1,5 @@
-"""The learning benchmark's report without training: every arm is a valid config, the criteria of
-issue 22, the seed bands of the plot, and the MLflow run it logs."""
+"""The learning benchmark's report without training: every arm is a valid config, the learning
+criteria, the seed bands of the plot, and the MLflow run it logs."""
 
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def test_the_command_writes_json_with_speedups_and_a_recommendation(tmp_path: Pa
     ],
     ids=["cpu-profile", "h800-7b-tp4"],
 )
-def test_the_issue_commands_run_in_under_a_minute(args: tuple[str, ...], tmp_path: Path) -> None:
+def test_the_headline_commands_run_in_under_a_minute(args: tuple[str, ...], tmp_path: Path) -> None:
     out = tmp_path / "w.json"
     code, text, seconds = _invoke(*args, "--out", str(out))
     assert code == 0, text

@@ -17,7 +17,7 @@ a Ray head of its own: another run's actors would be sampled too). A jailed sand
 Growth is measured after a warm-up (``--warmup``, default a quarter of the steps: allocators,
 caches and the first compiled graphs settle first): ``per_100`` is the least-squares slope of a
 series over the steps after the warm-up, times 100; ``change_pct`` is the change from the start of
-the measured stretch to its end (the issue's "step 50 to step 200"), each end the median of a window
+the measured stretch to its end (e.g. step 50 to step 200), each end the median of a window
 of ``window`` samples (up to 10: RSS moves by tens of MB from one step to the next as the allocator
 returns and takes pages, a single sample would measure that noise). A series ``holds`` when
 ``change_pct`` is below ``--max-growth-pct`` (5 %).

@@ -92,8 +92,9 @@ class Service:
             fut = self._started.get(key)
         if fut is None:
             raise ServiceError(
-                f"{self.role} service: nothing was started under {key!r} (the service was rebuilt, or "
-                "the call was never begun); re-run the step from its plan stage"
+                f"{self.role} service: nothing was started under {key!r}: this service was rebuilt since "
+                "the call was begun (the one running it died), or the call was never begun; re-run the "
+                "step from its plan stage"
             )
         try:
             return fut.result()
