@@ -95,24 +95,34 @@ def _store(svc: devservices.Services, outage_s: float):  # type: ignore[no-untyp
     return open_store(StoreConfig(endpoint=svc.s3_endpoint, bucket="outage", outage_s=outage_s), env=env)
 
 
-@pytest.mark.slow
-def test_a_write_during_an_s3_restart_lands_when_the_server_is_back(seaweed) -> None:  # type: ignore[no-untyped-def]
+def _chain_then_outage(seaweed, outage_s: float):  # type: ignore[no-untyped-def]
+    """Steps -1 and 0 committed on a store with ``outage_s``, then the S3 server stopped; the
+    state store, step 1's state, and a function that starts the server again."""
     from rollpacker.store.state_store import StateStore
     from tests.services.test_scaledown_runtime import start_state
 
     root, ports, svc = seaweed
-    store = _store(svc, outage_s=60)
-    states = StateStore(store, "exp", "arm")
+    states = StateStore(_store(svc, outage_s=outage_s), "exp", "arm")
     s0 = start_state("exp", "arm", "s3://outage/base/")
     states.commit(s0)
     states.commit(s0.successor())
     devservices.down(root, names=["seaweedfs"], grace_s=2)
-    back = threading.Timer(
-        3.0, lambda: devservices.up(root, bucket="outage", mlflow=False, ray=False, seaweed_ports=ports)
-    )
+
+    def restart() -> StateStore:
+        """The server started again; the chain read back through a store that waits for it."""
+        devservices.up(root, bucket="outage", mlflow=False, ray=False, seaweed_ports=ports)
+        return StateStore(_store(svc, outage_s=30), "exp", "arm")
+
+    return states, s0.successor().successor(), restart
+
+
+@pytest.mark.slow
+def test_a_write_during_an_s3_restart_lands_when_the_server_is_back(seaweed) -> None:  # type: ignore[no-untyped-def]
+    states, step1, restart = _chain_then_outage(seaweed, outage_s=60)
+    back = threading.Timer(3.0, restart)  # (its reader is not needed: this store waits)
     back.start()
     t0 = time.monotonic()
-    states.commit(s0.successor().successor())  # document and pointer, through the outage
+    states.commit(step1)  # document and pointer, through the outage
     took = time.monotonic() - t0
     back.join()
     assert 2.5 < took < 60, took
@@ -121,19 +131,11 @@ def test_a_write_during_an_s3_restart_lands_when_the_server_is_back(seaweed) -> 
 
 @pytest.mark.slow
 def test_a_longer_outage_fails_cleanly_and_leaves_the_chain_whole(seaweed) -> None:  # type: ignore[no-untyped-def]
-    from rollpacker.store.state_store import StateStore
-    from tests.services.test_scaledown_runtime import start_state
-
-    root, ports, svc = seaweed
-    store = _store(svc, outage_s=2)
-    states = StateStore(store, "exp", "arm")
-    s0 = start_state("exp", "arm", "s3://outage/base/")
-    states.commit(s0)
-    states.commit(s0.successor())
-    devservices.down(root, names=["seaweedfs"], grace_s=2)
+    states, step1, restart = _chain_then_outage(seaweed, outage_s=2)
     t0 = time.monotonic()
     with pytest.raises(StoreError, match=r"store\.outage_s = 2 bounds"):
-        states.commit(s0.successor().successor())
+        states.commit(step1)
     assert time.monotonic() - t0 < 10
-    devservices.up(root, bucket="outage", mlflow=False, ray=False, seaweed_ports=ports)
-    assert states.latest().step == 0  # type: ignore[union-attr]  # the failed commit left nothing half-done
+    again = restart()
+    assert again.latest().step == 0  # type: ignore[union-attr]  # the failed commit left nothing half-done
+    assert again.history() == [-1, 0]

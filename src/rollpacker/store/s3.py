@@ -55,6 +55,7 @@ _CREDENTIAL_CODES = frozenset(
     {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken"}
 )
 _MISSING_KEY_CODES = frozenset({"NoSuchKey", "ResourceNotFound", "NoSuchObject"})
+_TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"})
 _URI = re.compile(r"s3://([^/]+)(?:/(.*))?")
 
 
@@ -207,6 +208,8 @@ class S3Store:
                 return self._bucket_error()
             if e.code in _MISSING_KEY_CODES:
                 return StoreError(f"{what}: no such object")
+            if e.code in _TRANSIENT_CODES:  # a server starting up or overloaded: worth a retry
+                return StoreUnavailable(f"{what}: the S3 server at {self.endpoint} answered {e.code}")
             return StoreError(f"{what}: S3 error {e.code}: {e.message}")
         if isinstance(e, urllib3.exceptions.HTTPError):
             reason = getattr(e, "reason", None) or e
