@@ -173,3 +173,32 @@ def test_invariant_a_queued_prompt_is_never_launched_again(cfg, lens, seed) -> N
         pol.commit(run_round(engine, pol.open_round(plan)).result)
         ids = [p.prompt_id for p in pol.queue.snapshot()]
         assert len(ids) == len(set(ids))
+
+
+def test_a_round_that_fails_leaves_nothing_running_so_its_rerun_starts_clean() -> None:
+    """A round stopped by an error (a trainer that died under on_group) aborts its requests: the
+    engine is left empty, so the step's re-run (new request ids: the attempt is in them) shares the
+    engine with nothing of the failed attempt (on vLLM such leftovers take batch slots and, on
+    CPU, draws of the engine-wide generator: the re-run would sample differently)."""
+    import pytest
+
+    cfg = RolloutConfig(prompts_per_step=2, responses_per_prompt=2)
+    prompts = make_prompts([[3, 9], [4, 5], [20, 30], [6, 7]])
+
+    def policy(attempt: str) -> SyncPolicy:
+        cursor = PromptCursor(prompts, shuffle=False, epochs=1)
+        return SyncPolicy(cfg, cursor, replay_sampling(64, 0), namespace=attempt)
+
+    def dies(_g: object) -> None:
+        raise RuntimeError("the trainer died")
+
+    eng = FakeEngine()
+    with pytest.raises(RuntimeError, match="the trainer died"):
+        run_round(eng, policy("a1").open_round(policy("a1").plan_step(0)), on_group=dies)
+    assert not eng.has_unfinished()
+    rerun = run_round(eng, policy("a2").open_round(policy("a2").plan_step(0)))
+    first = run_round(FakeEngine(), policy("a2").open_round(policy("a2").plan_step(0)))
+    assert len(rerun.steps) == len(first.steps)
+    assert [g.prompt.prompt_id for g in rerun.result.groups] == [
+        g.prompt.prompt_id for g in first.result.groups
+    ]

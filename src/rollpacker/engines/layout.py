@@ -289,6 +289,10 @@ class LayoutEngine:
         for r in self.replicas:
             r.load_weights(iter(weights))
 
+    def forget_cached(self) -> None:
+        for r in self.replicas:
+            forget_cached(r)
+
     def close(self) -> None:
         for r in self.replicas:
             r.close()
@@ -377,6 +381,10 @@ class EnginePool:
         weights = list(named_tensors)  # each replica's engine takes its own copy
         for eng in self.engines.values():
             eng.load_weights(iter(weights))
+
+    def forget_cached(self) -> None:
+        for eng in self.engines.values():
+            forget_cached(eng)
 
     def num_preemptions(self) -> int:
         return sum(e.num_preemptions() for e in self.engines.values())
@@ -556,6 +564,9 @@ class SwitchingEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self.pool.load_weights(named_tensors)
+
+    def forget_cached(self) -> None:
+        self.pool.forget_cached()
 
     def close(self) -> None:
         self.pool.close()
@@ -845,3 +856,10 @@ class ScaleDownRuntime:
             ev = self.engine.scale_events[self._event]
             out = dataclasses.replace(out, migrate_s=ev.control_s, recompute_s=ev.recompute_s)
         return out
+
+
+def forget_cached(engine: Any) -> None:
+    """``engine.forget_cached()`` where the engine keeps a prefix cache (vLLM); nothing otherwise."""
+    forget = getattr(engine, "forget_cached", None)
+    if forget is not None:
+        forget()

@@ -418,6 +418,13 @@ class VLLMEngine:
         # Cached KV / prefixes were computed with the old weights.
         self._engine.reset_prefix_cache()
 
+    def forget_cached(self) -> None:
+        """Drop the cached prefixes (KV) of earlier requests: a step re-run on the same weights
+        after a failed attempt then meets the engine as the first attempt did (the same cache hits,
+        the same prefill chunks, so on CPU, where the engine-wide generator samples, the same
+        draws in the same order)."""
+        self._engine.reset_prefix_cache()
+
     def close(self) -> None:
         eng = getattr(self, "_engine", None)
         if eng is None:

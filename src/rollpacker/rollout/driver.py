@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +31,8 @@ from rollpacker.core.types import (
     SamplingSpec,
 )
 from rollpacker.engines.base import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -129,6 +132,18 @@ class _RoundDriver:
                 self.hand_out()
         return stats
 
+    def abort_live(self) -> None:
+        """Abort every request of this round still running (the round failed); an engine that
+        cannot take the abort (it died) is left as it is."""
+        if not self.live:
+            return
+        ids = sorted(self.live)
+        self.live.clear()
+        try:
+            self.engine.abort(ids)
+        except Exception as e:  # noqa: BLE001 - the round's own error is the one to raise
+            log.warning("could not abort the %d requests of a failed round: %s", len(ids), e)
+
     def abort_leftovers(self) -> None:
         """A round that is done but left requests running has a policy bug; don't leak them."""
         if self.live:
@@ -161,13 +176,17 @@ def run_round(
     preempt0 = engine.num_preemptions()
     t0 = engine.now()
     drv = _RoundDriver(engine, rnd, policy_version, on_group, on_response, group_rewards)
-    drv.apply(rnd.start())
-    drv.hand_out()  # groups complete from a policy's cache are final before any engine step
-    while not rnd.done:
-        drv.check_can_step(max_engine_steps)
-        stats = drv.step()
-        if on_step is not None:
-            on_step(stats, drv.completed)
+    try:
+        drv.apply(rnd.start())
+        drv.hand_out()  # groups complete from a policy's cache are final before any engine step
+        while not rnd.done:
+            drv.check_can_step(max_engine_steps)
+            stats = drv.step()
+            if on_step is not None:
+                on_step(stats, drv.completed)
+    except BaseException:
+        drv.abort_live()  # a failed round leaves nothing running: a re-run starts on a clean engine
+        raise
     drv.abort_leftovers()
     elapsed = engine.now() - t0
     result = rnd.result()

@@ -50,6 +50,7 @@ from rollpacker.engines.layout import (
     LayoutEngine,
     ScaleDownRuntime,
     SwitchingEngine,
+    forget_cached,
     kv_capacity_tokens,
     node_devices,
 )
@@ -106,6 +107,9 @@ class RolloutService(Service, RolloutAPI):
 
         started = reloaded = False
         if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
+            # the same weights again: a step re-run after a failed attempt. The failed attempt's
+            # cached prefixes go, so the re-run meets the engine as the first attempt did.
+            forget_cached(self.engine)
             return EngineSync(False, False, 0.0, self.policy_version)
         local = cached_download(self.store(), state.checkpoint_uri, checkpoint_cache())
         model_dir = local / "model" if (local / "model").is_dir() else local
