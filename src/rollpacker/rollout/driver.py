@@ -141,7 +141,7 @@ class _RoundDriver:
         self.live.clear()
         try:
             self.engine.abort(ids)
-        except Exception as e:  # noqa: BLE001 - the round's own error is the one to raise
+        except Exception as e:  # the round's own error is the one to raise
             log.warning("could not abort the %d requests of a failed round: %s", len(ids), e)
 
     def abort_leftovers(self) -> None:
