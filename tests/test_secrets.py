@@ -222,6 +222,30 @@ def test_store_and_mlflow_listen_on_loopback_only_and_log_no_secret(
         devservices.down(root, grace_s=3.0)
 
 
+def test_services_get_no_secret_through_the_ray_runtime_env(
+    planted: dict[str, str], store: devservices.Services, tmp_path: Path
+) -> None:
+    """The options the service registry creates Ray actors with carry none of the planted secrets
+    (Ray keeps a runtime env in its GCS and shows it on the dashboard); they name the services
+    directory, absolute, so a service finds the local store's credentials file, and a store opened
+    from exactly that environment reads and writes."""
+    from rollpacker.core.config import config_from_text
+    from rollpacker.services.registry import RegistrySpec, ServiceRegistry
+    from rollpacker.store import open_store
+
+    text = f'experiment: sec\nstore: {{endpoint: "{store.s3_endpoint}", bucket: {store.bucket}}}\n'
+    cfg = config_from_text(text)
+    reg = ServiceRegistry(RegistrySpec.of(text, cfg, "sync", "ray"))
+    opts = {role: reg._actor_options(role) for role in ("rollout", "reward", "trainer", "tracking")}
+    _assert_clean(planted, texts={role: repr(o) for role, o in opts.items()})
+    env = opts["rollout"]["runtime_env"]["env_vars"]
+    assert Path(env["ROLLPACKER_SERVICES_DIR"]).is_absolute()
+    assert Path(env["ROLLPACKER_SERVICES_DIR"]).resolve() == store.root.resolve()
+    s3 = open_store(cfg.store, env=env)  # what a service on this machine sees: no key variables
+    s3.put_bytes("sec/probe", b"ok")
+    assert s3.get_bytes("sec/probe") == b"ok"
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[devservices.Services, dict]]:
     root = tmp_path_factory.mktemp("secrets-ray")
@@ -238,8 +262,9 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[devserv
 def test_ray_head_logs_no_runtime_env_secret(
     planted: dict[str, str], ray_head: tuple[devservices.Services, dict]
 ) -> None:
-    """The services get the S3 keys as a Ray runtime env (services/registry.py); Ray's runtime env
-    agent logs every runtime env it creates at INFO. `rollpacker up` starts Ray at WARNING."""
+    """Ray's runtime env agent logs every runtime env it creates at INFO (a user's own actors may
+    carry secrets in one; the services' carry none, tested above). `rollpacker up` starts Ray at
+    WARNING."""
     svc, rec = ray_head
     code = (
         "import os, ray\n"

@@ -34,6 +34,7 @@ from typing import Any
 from rollpacker import devservices
 from rollpacker.core.config import (
     ExperimentConfig,
+    RolloutConfig,
     apply_overrides,
     config_from_text,
     load_config,
@@ -257,7 +258,10 @@ def train_config(
     import yaml
 
     config_path = resolve_config(config_path)
-    base = load_config(config_path, overrides)  # validates first, naming the file
+    # validates first, naming the file, as the one arm the run trains (the file's own arms are not
+    # run: a dynamic-sampling config is valid for tail batching only)
+    one_arm = {"arms": [{"name": "train", "policy": _policy_of(config_path, overrides or {})}]}
+    base = load_config(config_path, {**(overrides or {}), **one_arm})
     data = yaml.safe_load(config_path.read_text()) or {}
     apply_overrides(data, overrides or {}, str(config_path))
     policy = base.rollout.policy.value
@@ -271,6 +275,21 @@ def train_config(
         data["store"] = {"endpoint": f"file://{root}"}
     text = yaml.safe_dump(data, sort_keys=False)
     return text, config_from_text(text, where=f"{config_path} (as one training arm)")
+
+
+def _policy_of(config_path: Path, overrides: dict[str, Any]) -> str:
+    """The rollout policy a training run of ``config_path`` with ``overrides`` trains (its arm)."""
+    import yaml
+
+    if "rollout.policy" in overrides:
+        return str(overrides["rollout.policy"])
+    default = RolloutConfig().policy.value
+    try:
+        data = yaml.safe_load(config_path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return default  # load_config says what is wrong with the file
+    rollout = data.get("rollout") if isinstance(data, dict) else None
+    return str(rollout.get("policy", default)) if isinstance(rollout, dict) else default
 
 
 def train_arm(

@@ -307,6 +307,24 @@ def test_sandbox_workers_are_locked_down(rendered: dict[str, list[dict[str, Any]
     assert len(peers) == 2
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_pods_take_the_store_keys_from_the_secret(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """The services (head, rollout, training, judge pods) read the store's keys from the Secret in
+    their own environment: the service registry forwards none through Ray's runtime env, which Ray
+    keeps in its GCS and shows on its dashboard."""
+    rc = _one(rendered[overlay], "RayCluster")
+    pods = [rc["spec"]["headGroupSpec"]["template"]] + [
+        g["template"] for g in rc["spec"]["workerGroupSpecs"][:3]
+    ]
+    for pod in pods:
+        env = pod["spec"]["containers"][0]["env"]
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e}
+        for key in ("ROLLPACKER_S3_ACCESS_KEY", "ROLLPACKER_S3_SECRET_KEY"):
+            assert refs.get(key) == {"name": "rollpacker-s3", "key": key}, (overlay, key)
+
+
 def test_seccomp_profile_lets_nsjail_make_namespaces(root: Path) -> None:
     import json
 

@@ -12,10 +12,12 @@ exactly-once check per arm (no prompt trained twice, every deferred prompt train
 waiting); ``plot`` draws each arm's mean over seeds with a min-max band, ``log_to_mlflow`` logs
 the plot, the report and the mean curves to one ``bench-learning`` run of the experiment.
 
-The ``dapo`` arm runs DAPO's reward side (overlong shaping and filtering; clip-higher and the
-token-level loss are the defaults) but not its dynamic sampling: the rollout service does not yet
-feed group rewards back to its round (``rollout.run_round(group_rewards=...)``), and a config that
-turns dynamic sampling on fails the first step saying so (docs/training.md).
+The ``dapo`` arm is DAPO whole: clip-higher and the token-level loss (the defaults), overlong
+shaping and filtering, and dynamic sampling (``rollout.dynamic_sampling.enabled``): each complete
+group's rewards go back to the round, a group whose rewards are all equal is dropped (neither
+trained nor queued) and a replacement prompt is drawn, so every update holds ``P0`` groups with
+signal; the arm's steps log ``rollout/extra_prompts`` and ``rollout/dropped_groups``
+(docs/training.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ ARMS: dict[str, dict[str, Any]] = {
         "rollout.policy": "tail_batching",
         "train.overlong_buffer": 128,
         "train.overlong_filter": True,
+        "rollout.dynamic_sampling.enabled": True,
         "train.clip_eps_high": 0.28,
         "train.loss_norm": "token_mean",
     },

@@ -483,6 +483,9 @@ class TaskConfig:
 class ModelConfig:
     preset: str = "tiny"  # tiny-model preset to build and warm up (ignored when model_dir is set)
     warmup_steps: int = 200  # supervised warm-up steps on the synthetic task (0: none)
+    # synthetic math: the share of warm-up solutions with one wrong step (a sloppy teacher), which
+    # leaves the model an error rate the verifier's reward can train away (configs/learning.yaml)
+    warmup_slip_rate: float = 0.0
     model_dir: str = ""  # start from this Hugging Face directory instead
 
     def __post_init__(self) -> None:
@@ -492,6 +495,13 @@ class ModelConfig:
             or self.warmup_steps < 0
         ):
             raise ConfigError(f"model.warmup_steps = {self.warmup_steps!r}: must be an integer >= 0")
+        if isinstance(self.warmup_slip_rate, bool) or not (
+            isinstance(self.warmup_slip_rate, int | float) and 0.0 <= self.warmup_slip_rate < 1.0
+        ):
+            raise ConfigError(
+                f"model.warmup_slip_rate = {self.warmup_slip_rate!r}: must be a number in [0, 1) "
+                "(the share of warm-up solutions with one wrong step)"
+            )
 
 
 @dataclass(frozen=True)

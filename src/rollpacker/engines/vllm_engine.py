@@ -131,6 +131,9 @@ def _make_logger_factory(collector: _StatsCollector) -> Any:
     return _Logger
 
 
+USED_IDS_KEPT = 1 << 16
+
+
 def _set_vllm_env(cfg: EngineConfig, in_process: bool) -> None:
     """The environment vLLM reads at start: KV cache size on CPU (a whole number of GiB), log
     level, and whether the engine core runs in this process."""
@@ -216,7 +219,10 @@ class VLLMEngine:
         eos = getattr(tok, "eos_token_id", None)
         self._eos = int(eos if eos is not None else hf.eos_token_id)
         self._live: set[str] = set()
-        self._used: set[str] = set()
+        # ids of recent requests, oldest first: a reused id is refused (vLLM would mix the two
+        # requests' outputs). Bounded, so a long run does not grow it: ids carry the step and
+        # the attempt, so one older than the last USED_IDS_KEPT requests cannot come back.
+        self._used: dict[str, None] = {}
         self._max_len = cfg.max_model_len
 
     @staticmethod
@@ -309,7 +315,9 @@ class VLLMEngine:
         if not self._live:  # the core was idle: its next step time starts now
             self._busy_since = time.monotonic()
         self._engine.add_request(request.request_id, {"prompt_token_ids": ids}, params)
-        self._used.add(request.request_id)
+        self._used[request.request_id] = None
+        if len(self._used) > USED_IDS_KEPT:
+            del self._used[next(iter(self._used))]
         self._live.add(request.request_id)
 
     def abort(self, request_ids: Sequence[str]) -> None:

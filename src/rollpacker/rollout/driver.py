@@ -90,11 +90,12 @@ class _RoundDriver:
             if self.group_rewards is None:
                 raise PolicyError(
                     f"step {self.rnd.plan.step}: this round decides on rewards "
-                    "(rollout.dynamic_sampling.enabled) and this runtime does not feed them back "
-                    "(run_round's group_rewards; the rollout service does not yet): turn "
-                    "rollout.dynamic_sampling off"
+                    "(rollout.dynamic_sampling.enabled), and run_round was given no group_rewards "
+                    "to score its groups: pass group_rewards (the rollout service does)"
                 )
             for g in self.rnd.take_unjudged():
+                if self.rnd.done:
+                    continue  # the update is full: the group is deferred, its rewards not needed
                 self.apply(self.rnd.observe_rewards(g.prompt.prompt_id, tuple(self.group_rewards(g))))
         if self.on_group is not None:
             for g in self.rnd.take_completed():

@@ -11,6 +11,8 @@ When each method is called, per step (one *attempt* = one try of a step; a re-ru
     rollout stage   trainer.begin / reward.begin    forget older attempts, restore committed state
                     rollout.run_round(...)          rolls out; during it the rollout service casts
                         reward.score / reward.group, and the reward service casts trainer.submit;
+                        with rollout.dynamic_sampling it calls reward.group_rewards for each
+                        complete group first (the round keeps or drops it on its rewards);
                         with rollout.scale_down the rollout service calls trainer.repurpose once
                         when it frees engine replicas (the trainer gives them back in finish)
     drain stages    reward.drain(...)               wait for the step's rewards, report them
@@ -73,6 +75,19 @@ class RoundReport(Message):
     next_buffer_uri: str  # the rollout buffer after the round, in the store ("" = none)
     metrics: dict[str, float]
     end_wall: float = 0.0  # wall clock when the round ended (reward tails are measured from it)
+    # DAPO's dynamic sampling: prompts whose groups had no reward variance (consumed: neither
+    # trained nor queued), and the prompts drawn beyond the plan to replace them
+    dropped: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GroupRewards(Message):
+    """A complete group's rewards, one per response in the group's order (``reward.group_rewards``:
+    what DAPO's dynamic sampling keeps or drops the group on)."""
+
+    prompt_id: str
+    rewards: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -217,6 +232,10 @@ class RewardAPI(Protocol):
 
     def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
         """Fire and forget: a final group; once rewarded it goes to the trainer."""
+
+    def group_rewards(self, attempt: str, group: Group, texts: tuple[str, ...]) -> GroupRewards:
+        """A complete group's rewards, waited for (DAPO's dynamic sampling decides on them before
+        the group is final); each response is scored once: a later ``group`` of it reuses them."""
 
     def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport: ...
 

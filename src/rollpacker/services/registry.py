@@ -40,6 +40,7 @@ from rollpacker.services.api import (
     DeviceLease,
     DrainReport,
     EngineSync,
+    GroupRewards,
     Peers,
     ProfileSummary,
     RewardAPI,
@@ -60,6 +61,7 @@ from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
+from rollpacker.store.s3 import SERVICES_DIR_ENV, local_credentials_path
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -263,6 +265,9 @@ class RewardProxy(RewardAPI):
     def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
         self._h.cast(RewardAPI.group, attempt, group, texts)
 
+    def group_rewards(self, attempt: str, group: Group, texts: tuple[str, ...]) -> GroupRewards:
+        return self._h.call(RewardAPI.group_rewards, attempt, group, texts)
+
     def drain(self, attempt: str, expected: tuple[str, ...], rollout_end_wall: float) -> DrainReport:
         return self._h.call(RewardAPI.drain, attempt, expected, rollout_end_wall)
 
@@ -337,7 +342,12 @@ class RegistrySpec:
     ray_address: str = ""
     namespace: str = "rollpacker"
     call_timeout_s: float = 1800.0
-    forward_env: tuple[str, ...] = ("ROLLPACKER_CACHE", "ROLLPACKER_LOCAL_SERVICES")
+    # what the services inherit from the process that creates them: never a secret. The store's
+    # keys reach a service from its own node's environment (the cluster's Ray pods mount the
+    # store's Secret) or from the local credentials file `rollpacker up` wrote (mode 0600), found
+    # through $ROLLPACKER_SERVICES_DIR (made absolute here). A runtime env is not secret: Ray
+    # keeps it in the GCS and shows it on the dashboard (docs/operations.md, "Secrets").
+    forward_env: tuple[str, ...] = ("ROLLPACKER_CACHE", "ROLLPACKER_LOCAL_SERVICES", SERVICES_DIR_ENV)
     role_resources: bool = False  # ask for the role's worker-group resource (services.role_resources)
 
     @classmethod
@@ -350,7 +360,6 @@ class RegistrySpec:
             ray_address=cfg.services.ray_address,
             namespace=cfg.services.namespace,
             call_timeout_s=cfg.services.call_timeout_s,
-            forward_env=(*cls.forward_env, cfg.store.access_key_env, cfg.store.secret_key_env),
             role_resources=bool(cfg.services.role_resources),
         )
 
@@ -459,9 +468,8 @@ class ServiceRegistry(Peers):
         if self.spec.role_resources:
             opts["resources"] = {ROLE_RESOURCE[role]: 1}
         env = {k: os.environ[k] for k in self.spec.forward_env if os.environ.get(k)}
-        if env:
-            # the services reach the store with the credentials of the stage that created them
-            opts["runtime_env"] = {"env_vars": env}
+        env[SERVICES_DIR_ENV] = str(local_credentials_path().parent.resolve())
+        opts["runtime_env"] = {"env_vars": env}
         return opts
 
     def _ray_get(self, role: str) -> Handle:

@@ -8,8 +8,8 @@ and judge stages only ``drain`` what is left after rollout and report the step's
 Invariants:
 - only the current attempt's responses are scored into a step; a late call of an older attempt
   is dropped (a re-run after a crash never mixes two attempts);
-- a response is scored once: ``group`` reuses the score ``score`` started, and a late ``score``
-  of a response that a group already took is ignored;
+- a response is scored once: ``group`` and ``group_rewards`` (dynamic sampling) reuse the score
+  ``score`` started, and a late ``score`` of a response already scored or grouped is ignored;
 - every group handed to the trainer carries all its rewards;
 - the sandbox's timeout anchors restart from the committed state at every attempt (``begin``);
   anchors from reference solutions (``reward.sandbox.reference_anchors``, ``rewards/reference.py``)
@@ -35,7 +35,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from rollpacker.core.advantages import train_samples
@@ -47,7 +47,14 @@ from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
 from rollpacker.rewards.code import CodeReward
 from rollpacker.rewards.factory import build_rewards
 from rollpacker.rewards.reference import ReferenceStats, ReferenceTimer
-from rollpacker.services.api import Anchors, DrainReport, RewardAPI, RewardBegin, ScoreItem
+from rollpacker.services.api import (
+    Anchors,
+    DrainReport,
+    GroupRewards,
+    RewardAPI,
+    RewardBegin,
+    ScoreItem,
+)
 from rollpacker.services.base import Service
 from rollpacker.tasks.registry import load_task
 
@@ -121,8 +128,44 @@ class RewardService(Service, RewardAPI):
                 return
         fut = self._submit(request_id, prompt_id, text)
         with self._lock:
-            if self._cur is cur:
-                cur.early[request_id] = fut
+            if self._cur is cur and request_id not in cur.grouped:
+                cur.early.setdefault(request_id, fut)  # a group_rewards that raced it keeps its own
+
+    def group_rewards(self, attempt: str, group: Group, texts: tuple[str, ...]) -> GroupRewards:
+        """A complete group's rewards, waited for (at most ``services.call_timeout_s``): dynamic
+        sampling keeps or drops the group on them. Each response's score is the one ``score``
+        started (or started here) and stays in the attempt, so the ``group`` that follows for a
+        kept group reuses it; a dropped group's scores are never grouped (``reward/wasted``)."""
+        with self._lock:
+            cur = self._cur
+            if cur.attempt != attempt:
+                raise RewardError(
+                    f"{self.role} service: rewards of group {group.prompt.prompt_id!r} of attempt "
+                    f"{attempt}, but the service is on attempt {cur.attempt or '(none: rebuilt since)'}; "
+                    "re-run the step from its plan"
+                )
+            todo = [
+                (c, t) for c, t in zip(group.responses, texts, strict=True) if c.request_id not in cur.early
+            ]
+        new = {c.request_id: self._submit(c.request_id, c.prompt_id, t) for c, t in todo}
+        with self._lock:
+            for rid, f in new.items():
+                cur.early.setdefault(rid, f)
+            futs = [cur.early[c.request_id] for c in group.responses]
+        timeout_s = self.cfg.services.call_timeout_s
+        _, waiting = wait(futs, timeout=timeout_s)
+        if waiting:
+            raise RewardError(
+                f"{self.role} service: {len(waiting)} rewards of group {group.prompt.prompt_id!r} not "
+                f"in after services.call_timeout_s = {timeout_s} s"
+            )
+        try:
+            rewards = tuple(f.result().reward for f in futs)
+        except Exception as e:
+            raise RewardError(
+                f"{self.role} service: scoring group {group.prompt.prompt_id!r} failed: {e}"
+            ) from e
+        return GroupRewards(group.prompt.prompt_id, rewards)
 
     def group(self, attempt: str, group: Group, texts: tuple[str, ...]) -> None:
         """A final group (``texts``: its responses decoded); rewarded groups go to the trainer."""

@@ -6,6 +6,15 @@ While a round runs, each finished response goes to its reward service (``score``
 group to the same service (``group``), which hands the rewarded group to the trainer: the reward
 scheduler and the stream trainer overlap with rollout although the KFP stages run one by one.
 
+With DAPO's dynamic sampling (``rollout.dynamic_sampling.enabled``) the round decides on rewards:
+each complete group's rewards are asked of its reward service (``group_rewards``, a blocking call
+bounded by ``services.call_timeout_s``; the responses' scores mostly started as they finished, so
+it waits for the last one or two) before the group is final. A group with reward variance is final
+and goes on as above (``group``: the reward service reuses the scores, the trainer gets it); one
+without is dropped, so it never reaches the trainer or the long-prompt queue, and the round draws a
+replacement prompt. The report names the dropped and the extra prompts (``groups.json`` records
+them) and logs ``rollout/dropped_groups`` and ``rollout/extra_prompts``.
+
 With ``rollout.scale_down`` (RollPacker 4.4, Algorithm 1) and engines in layouts, a
 ``ScaleDownRuntime`` watches each round: once 20-50 % of its requests completed and the rest fit
 on fewer replicas (projected KV from the state's length history, capacity from the profile), it
@@ -19,6 +28,8 @@ Invariants:
 - one round at a time; a round of a newer attempt supersedes an older one (its requests are
   aborted, nothing of it reaches the rewards or the trainer, which only take the current attempt);
 - request ids carry the attempt, so a re-run never reuses an id the engine has seen;
+- with dynamic sampling, only groups with reward variance reach ``group`` (and so the trainer);
+  a dropped prompt is reported as dropped, never as trained or deferred;
 - every replica serves again when a round ends, however it ends (scale-down parks them only
   within the round).
 """
@@ -60,6 +71,7 @@ from rollpacker.rollout.driver import generate, run_round, sample_requests
 from rollpacker.services.api import (
     EngineSync,
     ProfileSummary,
+    RewardAPI,
     RolloutAPI,
     RoundPlan,
     RoundReport,
@@ -270,29 +282,15 @@ class RolloutService(Service, RolloutAPI):
                 raise Superseded(f"step {step}: attempt {attempt} was superseded before it started")
             policy = self._policy(state, attempt)
             plan = policy.plan_step(step)
-            data = self.data()
-            tok = _tokenizer(str(self.model_dir))
-            kinds = {p.prompt_id: data.examples[p.prompt_id].reward_kind for p in plan.prompts}
-
-            def on_response(c: Completion) -> None:
-                text = tok.decode(list(c.token_ids), skip_special_tokens=True)
-                self.peers.reward(reward_role(kinds[c.prompt_id])).score(
-                    attempt, c.request_id, c.prompt_id, text
-                )
-
-            def on_group(g: Group) -> None:
-                texts = tuple(tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses)
-                self.peers.reward(reward_role(kinds[g.prompt.prompt_id])).group(attempt, g, texts)
-
+            rnd = policy.open_round(plan)
+            # every prompt's kind: dynamic sampling draws prompts beyond the plan during the round
+            kinds = {pid: ex.reward_kind for pid, ex in self.data().examples.items()}
+            calls = _RewardCalls(self, step, attempt, kinds, _tokenizer(str(self.model_dir)))
             layout_metrics = self._prepare_layout(state, plan.round_kind.value)
             scaler = self._scale_down(state, attempt)
 
             def on_step(_stats: Any, completed: int) -> None:
-                if self._attempt != attempt:
-                    raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
-                failed = self.peers.cast_failure(attempt)
-                if failed is not None:  # a reward service raised or died: its rewards will never come
-                    raise RollpackerError(f"step {step}: the round of attempt {attempt} stops: {failed}")
+                self._check_running(step, attempt)
                 if scaler is not None:
                     scaler.observe(completed)
 
@@ -300,11 +298,12 @@ class RolloutService(Service, RolloutAPI):
             try:
                 run = run_round(
                     self.engine,
-                    policy.open_round(plan),
+                    rnd,
                     policy_version=self.policy_version,
-                    on_group=on_group,
-                    on_response=on_response if self.cfg.reward.per_response else None,
+                    on_group=calls.group,
+                    on_response=calls.score if self.cfg.reward.per_response else None,
                     on_step=on_step,
+                    group_rewards=calls.group_rewards if rnd.needs_rewards else None,
                 )
             except Superseded:
                 self._drain_engine()
@@ -315,6 +314,14 @@ class RolloutService(Service, RolloutAPI):
             policy.commit(run.result)  # this attempt's policy object only: the next state's cursor/queue
             self._persist_drafts(step, run.result.groups)
             return self._report(step, attempt, policy, run, kinds, layout_metrics)
+
+    def _check_running(self, step: int, attempt: str) -> None:
+        """Stop the round when a newer attempt took over or a reward service failed."""
+        if self._attempt != attempt:
+            raise Superseded(f"step {step}: attempt {attempt} superseded by {self._attempt}")
+        failed = self.peers.cast_failure(attempt)
+        if failed is not None:  # a reward service raised or died: its rewards will never come
+            raise RollpackerError(f"step {step}: the round of attempt {attempt} stops: {failed}")
 
     # -- draft history (engine.speculation) -------------------------------------------------------
     def _drafts_kept(self) -> bool:
@@ -412,8 +419,11 @@ class RolloutService(Service, RolloutAPI):
             # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it goes
             # to the store, and the commit copies it into the state document
             next_buffer_uri=self._put_buffer(step, attempt, buffer) if buffer else "",
+            dropped=tuple(p.prompt_id for p in result.filtered),
+            extra=tuple(p.prompt_id for p in result.extra_prompts),
             metrics={
                 **run.metrics.logged(len(queue) if queue is not None else 0),
+                **self._dynamic_sampling_metrics(result),
                 "rollout/buffer_size": float(len(buffer or ())),
                 "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
                 **layout_metrics,
@@ -421,6 +431,16 @@ class RolloutService(Service, RolloutAPI):
             },
             end_wall=time.time(),
         )
+
+    def _dynamic_sampling_metrics(self, result: Any) -> dict[str, float]:
+        """``rollout/extra_prompts`` (drawn beyond the plan) and ``rollout/dropped_groups`` (no
+        reward variance: neither trained nor queued), with DAPO's dynamic sampling on."""
+        if not self.cfg.rollout.dynamic_sampling.enabled:
+            return {}
+        return {
+            "rollout/extra_prompts": float(len(result.extra_prompts)),
+            "rollout/dropped_groups": float(len(result.filtered)),
+        }
 
     def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
         key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
@@ -495,6 +515,47 @@ class RolloutService(Service, RolloutAPI):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+class _RewardCalls:
+    """What a round sends its reward services (the one each prompt's kind routes to): each finished
+    response (``score``), each complete group's rewards when the round decides on them (dynamic
+    sampling: ``group_rewards``, a blocking call), each final group (``group``: it goes on to the
+    trainer; a dropped group never gets here)."""
+
+    def __init__(
+        self, svc: RolloutService, step: int, attempt: str, kinds: dict[str, RewardKind], tok: Any
+    ) -> None:
+        self.svc, self.step, self.attempt, self.kinds, self.tok = svc, step, attempt, kinds, tok
+        self._texts: dict[str, tuple[str, ...]] = {}  # decoded for group_rewards, reused by group
+
+    def _peer(self, prompt_id: str) -> RewardAPI:
+        return self.svc.peers.reward(reward_role(self.kinds[prompt_id]))
+
+    def _decode(self, g: Group) -> tuple[str, ...]:
+        texts = self._texts.pop(g.prompt.prompt_id, None)
+        if texts is None:
+            texts = tuple(self.tok.decode(list(c.token_ids), skip_special_tokens=True) for c in g.responses)
+        return texts
+
+    def score(self, c: Completion) -> None:
+        text = self.tok.decode(list(c.token_ids), skip_special_tokens=True)
+        self._peer(c.prompt_id).score(self.attempt, c.request_id, c.prompt_id, text)
+
+    def group_rewards(self, g: Group) -> tuple[float, ...]:
+        self.svc._check_running(self.step, self.attempt)  # a failed or newer attempt: no wait
+        texts = self._decode(g)
+        got = self._peer(g.prompt.prompt_id).group_rewards(self.attempt, g, texts)
+        if got.prompt_id != g.prompt.prompt_id or len(got.rewards) != len(g.responses):
+            raise RollpackerError(
+                f"reward service answered {len(got.rewards)} rewards for {got.prompt_id!r}; "
+                f"asked for {len(g.responses)} of {g.prompt.prompt_id!r}"
+            )
+        self._texts[g.prompt.prompt_id] = texts
+        return got.rewards
+
+    def group(self, g: Group) -> None:
+        self._peer(g.prompt.prompt_id).group(self.attempt, g, self._decode(g))
 
 
 def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:

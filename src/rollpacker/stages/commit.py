@@ -54,7 +54,9 @@ def commit(
     _collect_garbage(ctx, new, state)
     # the step's wall clock ends here: what is left is a few store writes and one MLflow call
     metrics.update(_wall_metrics(plan, ro, rw, jd, tr, profile_s, clock.timing()))
-    groups = GroupsLog(step, plan.attempt, r.round_kind, r.trained, r.deferred, r.from_queue)
+    groups = GroupsLog(
+        step, plan.attempt, r.round_kind, r.trained, r.deferred, r.from_queue, r.dropped, r.extra
+    )
     lengths = LengthsLog(r.round_kind, r.lengths)
     ctx.states.put_blob(step, "groups.json", groups.to_json().encode())
     ctx.states.put_blob(step, "lengths.json", lengths.to_json().encode())

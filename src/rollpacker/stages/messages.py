@@ -140,7 +140,11 @@ class CommitRecord(Message):
 
 @dataclass(frozen=True)
 class GroupsLog(Message):
-    """``groups.json``: which prompts the step trained, deferred and took from the queue."""
+    """``groups.json``: which prompts the step trained, deferred and took from the queue; with
+    DAPO's dynamic sampling also those it dropped (no reward variance: consumed, neither trained
+    nor queued) and the extra prompts it drew to replace them. The prompts a step launched are
+    ``from_queue`` (long round) or the cursor's next ones (short round), plus ``extra``; each is in
+    exactly one of ``trained``, ``deferred`` and ``dropped``."""
 
     step: int
     attempt: str
@@ -148,6 +152,8 @@ class GroupsLog(Message):
     trained: tuple[str, ...]
     deferred: tuple[str, ...]
     from_queue: tuple[str, ...]
+    dropped: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ def warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
         model=cfg.model.preset,
         steps=cfg.model.warmup_steps,
         code_fraction=CODE_SHARE.get(cfg.task.name, 0.0),
+        slip_rate=float(cfg.model.warmup_slip_rate),
     )
     if cfg.task.name in CODE_SHARE or cfg.task.name == "synthetic_math":
         # the warm-up problems have the task's length distribution (a model that never saw a long

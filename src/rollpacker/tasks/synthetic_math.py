@@ -85,6 +85,25 @@ def solution_text(start: int, add: int, n: int, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+def slipped_solution_text(start: int, add: int, n: int, rng: random.Random, verbose: bool = False) -> str:
+    """A sloppy teacher's solution: one step, drawn uniformly, adds a wrong amount (the sum is off
+    by 1-9 before the mod), and the chain goes on correctly from the wrong value, so the answer is
+    wrong. A warm-up with a share of these leaves the model a per-line slip rate that a verifier's
+    reward can remove (``model.warmup_slip_rate``)."""
+    slip = rng.randrange(1, n + 1)
+    off = rng.randrange(1, MODULUS)
+    lines = []
+    x = start
+    for k in range(1, n + 1):
+        s = x + add + (off if k == slip else 0)
+        y = s % MODULUS
+        line = f"{k}/{n}: {x}+{add}={s}, mod {MODULUS}={y}" if verbose else f"{k}: {x}+{add}={y}"
+        lines.append(line)
+        x = y
+    lines.append(f"Answer: {x}")
+    return "\n".join(lines)
+
+
 def answer(start: int, add: int, n: int) -> int:
     return (start + add * n) % MODULUS
 
@@ -126,3 +145,11 @@ def reference_solution(example: TaskExample) -> str:
     """The step-by-step solution the warm-up trains on."""
     m = example.metadata
     return solution_text(int(m["start"]), int(m["add"]), int(m["steps"]), bool(m.get("verbose", False)))
+
+
+def slipped_solution(example: TaskExample, rng: random.Random) -> str:
+    """``slipped_solution_text`` for ``example``: a solution with one wrong step."""
+    m = example.metadata
+    return slipped_solution_text(
+        int(m["start"]), int(m["add"]), int(m["steps"]), rng, bool(m.get("verbose", False))
+    )

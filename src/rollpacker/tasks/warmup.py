@@ -42,6 +42,9 @@ class WarmupSpec:
         default_factory=lambda: synthetic_code.SyntheticCodeSpec(num_examples=20000)
     )
     code_fraction: float = 0.0
+    # the share of math solutions with one wrong step (a sloppy teacher): the warmed-up model keeps
+    # a slip rate that RL with the verifier's reward can remove (configs/learning.yaml)
+    slip_rate: float = 0.0
     steps: int = 300
     batch_size: int = 32  # sequences per optimizer step
     tokens_per_micro_batch: int = 4096  # padded tokens per forward/backward
@@ -60,11 +63,15 @@ class WarmupSpec:
             raise ValueError(f"warm-up lr = {self.lr}: must be > 0")
         if not 0.0 <= self.code_fraction <= 1.0:
             raise ValueError(f"warm-up code_fraction = {self.code_fraction}: must be in [0, 1]")
+        if not 0.0 <= self.slip_rate < 1.0:
+            raise ValueError(f"warm-up slip_rate = {self.slip_rate}: must be in [0, 1)")
 
     def key(self) -> str:
         fields = asdict(self)
         # a change of a task's text must not reuse a model warmed up on the old one
         fields["math_task_version"] = synthetic_math.TASK_VERSION
+        if self.slip_rate == 0.0:
+            del fields["slip_rate"]  # the keys of warm-ups from before the field existed
         if self.code_fraction == 0.0:
             del fields["code"], fields["code_fraction"]
         else:
@@ -157,9 +164,16 @@ def _warmup_data(
 ) -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]]]:
     """The (prompt ids, response ids + eos) pairs of the math and the code warm-up problems (a
     task's list is empty when ``code_fraction`` leaves it out)."""
+    slips = random.Random(f"warmup-slips:{spec.seed}")
+
+    def solution(ex: Any) -> str:
+        if spec.slip_rate > 0 and slips.random() < spec.slip_rate:
+            return synthetic_math.slipped_solution(ex, slips)
+        return synthetic_math.reference_solution(ex)
+
     math_data = (
         [
-            (encode(tok, ex.prompt), [*encode(tok, synthetic_math.reference_solution(ex)), eos])
+            (encode(tok, ex.prompt), [*encode(tok, solution(ex)), eos])
             for ex in synthetic_math.generate(spec.task, seed=WARMUP_DATA_SEED_OFFSET + spec.seed)
         ]
         if spec.code_fraction < 1.0

@@ -10,6 +10,9 @@ Contract:
   chunks, while rollout runs;
 - ``finish_step()`` scales the accumulated gradient by ``1 / D(batch)`` (see
   ``rollpacker.core.stream_math``), clips, takes one optimizer step and bumps ``policy_version``;
+  with nothing accumulated (DAPO's overlong filtering removed every sample of the batch) it is an
+  exact zero update (``zero_update``): no optimizer step, weights and optimizer state unchanged,
+  ``policy_version`` still bumped (one version per RL step), ``samples == optimizer_steps == 0``;
 - ``train_batch(samples)`` is the monolithic path: ``mini_batches`` optimizer steps over the batch;
 - ``weights()`` yields (Hugging Face name, tensor) pairs for the rollout engine's ``load_weights``;
 - ``save_checkpoint(dir)`` / ``load_checkpoint(dir)`` round-trip weights, optimizer state, RNG
@@ -49,6 +52,22 @@ class TrainStats:
     seconds: float
     optimizer_steps: int = 1
     behav_weight: float = 1.0  # decoupled PPO: mean pi_prox / pi_behav over tokens (1 with ppo)
+
+
+def zero_update(policy_version: int, seconds: float) -> TrainStats:
+    """The stats of a step with no sample to train: no optimizer step was taken."""
+    return TrainStats(
+        samples=0,
+        tokens=0,
+        loss=0.0,
+        grad_norm=0.0,
+        clip_frac=0.0,
+        ratio_mean=1.0,
+        kl=0.0,
+        policy_version=policy_version,
+        seconds=seconds,
+        optimizer_steps=0,
+    )
 
 
 class Trainer(Protocol):

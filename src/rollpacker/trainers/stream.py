@@ -28,6 +28,8 @@ Invariants:
 - every submitted sample is accumulated exactly once before ``finish`` steps (batch scope: after
   the last group is in, with the whole batch's statistics);
 - no optimizer step happens before ``finish``;
+- a batch with no sample (overlong filtering removed all) is an exact zero update: no optimizer
+  step, weights and optimizer state unchanged, the policy version advanced (``trainers.base``);
 - an error in the worker surfaces at the next ``submit`` or at ``finish`` (never silently lost);
 - each chunk runs under the placement last requested before it started.
 """
@@ -162,9 +164,11 @@ class StreamTrainer:
             if self._batch_scope:
                 self._finish_batch_scope()
             stats = self.trainer.finish_step()
-        else:
+        elif self._buffer:
             stats = self.trainer.train_batch(self._buffer)
             self._buffer = []
+        else:  # every sample filtered out (DAPO's overlong filtering): an exact zero update
+            stats = self.trainer.finish_step()
         report = StreamReport(
             stats=stats,
             streamed_samples=self._streamed,

@@ -60,7 +60,7 @@ from rollpacker.core.advantages import (
 from rollpacker.core.config import TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
-from rollpacker.trainers.base import AccumStats, TrainStats
+from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.objectives import PgInputs, get_objective
 
 CHECKPOINT_VERSION = 1
@@ -181,9 +181,14 @@ class TorchTrainer:
         return d, float(norm)
 
     def finish_step(self) -> TrainStats:
-        """The deferred update: normalize, clip, one optimizer step."""
+        """The deferred update: normalize, clip, one optimizer step; with no sample accumulated
+        (overlong filtering removed the whole batch) an exact zero update (``base.zero_update``)."""
         with self._lock:
             t0 = time.perf_counter()
+            if not self._acc_lengths:
+                self.policy_version += 1
+                self._reset_accum()
+                return zero_update(self.policy_version, time.perf_counter() - t0)
             d, grad_norm = self.reduce_grads()
             self.opt.step()
             self.optimizer_steps += 1

@@ -48,7 +48,7 @@ from rollpacker.core.advantages import TrainSample, get_advantage_estimator
 from rollpacker.core.config import MegatronConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm, denominator
-from rollpacker.trainers.base import AccumStats, TrainStats
+from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
 from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
 
@@ -234,9 +234,11 @@ class MegatronTrainer:
         return AccumStats(len(samples), sum(s.num_tokens for s in samples), loss_sum, dt)
 
     def finish_step(self) -> TrainStats:
-        if not self._lengths:
-            raise TrainerError("finish_step with no accumulated samples: accumulate a batch first")
         t0 = time.perf_counter()
+        if not self._lengths:  # overlong filtering removed the whole batch: base.zero_update
+            self.policy_version += 1
+            self._reset_accum()
+            return zero_update(self.policy_version, time.perf_counter() - t0)
         d = denominator(self.norm, self._lengths)
         out = self._all("finish_step", float(d))[0]
         self.optimizer_steps += 1
