@@ -60,11 +60,13 @@ TRAIN_ARGS ?=
 train: setup
 	$(VENV)/bin/rollpacker train --config $(CONFIG) $(TRAIN_ARGS)
 
-# The benchmarks: rollout replay (every policy on one trace on vLLM) and learning (every policy and
-# the one-off mode through the one step path, 3 seeds each).
+# The benchmarks: rollout replay (every policy on one trace on vLLM) and learning (configs/learning.yaml:
+# GRPO under sync and tail batching, the no-RL control, DAPO / REINFORCE++ / GSPO under tail
+# batching, 3 seeds each through the one step path; ~1 hour on 2 cores, docs/training.md).
+LEARNING_ARMS ?= sync,tail_batching,control,dapo,reinforce_pp,gspo
 bench: setup
 	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
-	$(VENV)/bin/rollpacker bench learning --config $(CONFIG) --out build/bench-learning.json
+	$(VENV)/bin/rollpacker bench learning --config learning --arms $(LEARNING_ARMS) --out build/bench-learning.json
 
 # Reliability on one machine (docs/operations.md): 256 sandbox runs, a quarter hostile (0 escapes,
 # 0 leftovers), then a 200-step soak (RSS / threads / fds of every service and the store per step).

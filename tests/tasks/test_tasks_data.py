@@ -118,3 +118,45 @@ def test_model_identity_names_the_start_model_without_building_it(tmp_path) -> N
     one = model_identity(config_from_text(f"model: {{model_dir: '{d}'}}"))
     (d / "model.safetensors").write_bytes(b"x")
     assert model_identity(config_from_text(f"model: {{model_dir: '{d}'}}")) != one
+
+
+def test_a_sloppy_teachers_solution_slips_exactly_once_and_the_answer_is_wrong() -> None:
+    """``slipped_solution``: one line's sum is off by 1-9 (which line and by how much vary), every
+    other line is right given the line before, and so the final answer is never the reference."""
+    import random
+    import re
+
+    rng = random.Random(0)
+    slipped_lines: set[int] = set()
+    for verbose in (False, True):
+        for ex in synthetic_math.generate(SyntheticMathSpec(num_examples=200, verbose=verbose), seed=3):
+            m = ex.metadata
+            add, n = int(m["add"]), int(m["steps"])
+            text = synthetic_math.slipped_solution(ex, rng)
+            *lines, last = text.split("\n")
+            assert len(lines) == n
+            x, wrong = int(m["start"]), []
+            for k, line in enumerate(lines, 1):
+                y = int(re.search(r"=(\d)$", line).group(1))  # type: ignore[union-attr]
+                if y != (x + add) % 10:
+                    wrong.append(k)
+                x = y
+            assert len(wrong) == 1, (text, wrong)
+            slipped_lines.add(wrong[0])
+            assert last == f"Answer: {x}" and x != int(ex.reference)
+    assert len(slipped_lines) > 3  # the slip lands on different lines
+
+
+def test_the_warm_up_slip_rate_is_checked_and_names_its_own_model() -> None:
+    from rollpacker.core.config import config_from_text
+    from rollpacker.tasks.models import model_identity
+    from rollpacker.tasks.warmup import WarmupSpec
+
+    base = "model: {warmup_steps: 200}\n"
+    clean = model_identity(config_from_text(base))
+    sloppy = model_identity(config_from_text("model: {warmup_steps: 200, warmup_slip_rate: 0.5}\n"))
+    assert sloppy != clean  # never served from the clean warm-up's cache
+    assert WarmupSpec(slip_rate=0.0).key() == WarmupSpec().key()
+    for bad in ("1.0", "-0.1", "true", "'half'"):
+        with pytest.raises(ConfigError, match=r"model\.warmup_slip_rate"):
+            config_from_text(f"model: {{warmup_slip_rate: {bad}}}\n")
