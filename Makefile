@@ -75,6 +75,15 @@ soak: setup
 	$(VENV)/bin/rollpacker bench sandbox-load
 	$(VENV)/bin/rollpacker soak --steps 200
 
+# The chaos suite (docs/operations.md, "Chaos"): sync and tail-batching arms through kfp.local on
+# services of its own, faults of every kind at seeded random steps (stage and service processes
+# SIGKILLed, an S3 restart, MLflow down for a step, a hung sandbox run), recovered by the run's own
+# retries; then the checks against a fault-free run and a table (build/chaos.json).
+CHAOS_ARGS ?=
+.PHONY: chaos
+chaos: setup
+	$(VENV)/bin/rollpacker chaos --steps 30 --faults 12 --seed 0 --arms sync,tail_batching $(CHAOS_ARGS)
+
 # The KFP pipelines as YAML for the KFP UI/API: build/rl_step.yaml, build/rl_experiment.yaml (the
 # config's `steps` chained). Images: components/images.py, or ROLLPACKER_IMAGE_<NAME>=... make compile.
 compile: setup

@@ -277,3 +277,22 @@ def test_model_warmup_warms_what_train_uses(tmp_path: Path, monkeypatch: pytest.
     assert seen[1].steps == 7 and seen[1].task.verbose  # the experiment's task shape
     res = CliRunner().invoke(app, ["model", "warmup", "--steps", "0"])
     assert res.exit_code == 2 and "nothing to warm up" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "5", "--faults", "9"], "--faults 9: at most one fault per arm and step"),
+        (["--kinds", "stage,meteor"], "unknown fault kind(s) ['meteor']; known: stage, rollout-actor"),
+        (["--steps", "3"], "--steps 3: the chaos suite needs at least 4 steps"),
+    ],
+)
+def test_chaos_refuses_a_bad_schedule_before_starting_anything(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    res = CliRunner().invoke(
+        app, ["chaos", *args, "--out-dir", str(tmp_path / "c"), "--out", str(tmp_path / "c.json")]
+    )
+    assert res.exit_code == 2, res.output
+    assert message in res.output
+    assert not (tmp_path / "c" / "services").exists()

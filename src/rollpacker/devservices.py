@@ -8,6 +8,7 @@ process on the machine). Everything lives under one directory, ``build/services`
     s3.json            SeaweedFS identities (the same keys, mode 0600)
     s3/                SeaweedFS data          mlflow.db     MLflow's sqlite backend store
     logs/<name>.log    each service's output   pids/<name>.json  what was started: session, PIDs, address
+    tmp/<name>/        each service's temporary files (Ray's: its workers'); `down` removes them
 
 Each service is started in a new session (``setsid``); its record holds the session id and the
 session leader's start time. ``ray start`` daemonizes, but the GCS server, raylet, agents and
@@ -17,7 +18,8 @@ the very process recorded (same start time), so a recycled PID is never killed.
 
 Invariants (tests/store/test_devservices.py):
 - ``up`` is idempotent: a running, healthy service is reused, not restarted;
-- ``down`` stops exactly the processes of the sessions ``up`` started;
+- ``down`` stops exactly the processes of the sessions ``up`` started, and removes their
+  temporary directories;
 - a service that does not become healthy in time is stopped again and the error names its log.
 """
 
@@ -351,6 +353,7 @@ def down(
         _stop(list(recs.values()), grace_s=grace_s)
         for n in recs:
             _pid_file(root, n).unlink(missing_ok=True)
+            shutil.rmtree(root / "tmp" / n, ignore_errors=True)  # its processes are gone
     return counts
 
 
@@ -450,6 +453,7 @@ def _start_seaweed(
     _write_private(config, json.dumps({"identities": [identity]}, indent=1))
     cmd = [
         _bin("weed"),
+        f"-logdir={(root / 'logs').resolve()}",  # glog's files, else they pile up in the temp dir
         "mini",
         f"-dir={data.resolve()}",
         f"-ip={HOST}",
@@ -531,7 +535,7 @@ def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> 
         root,
         cmd,
         # RAY_LOGGER_LEVEL: Ray's Python components log at INFO every runtime env they create, its
-        # env_vars (the S3 keys the service registry forwards) included (tests/test_secrets.py)
+        # env_vars included (tests/test_secrets.py)
         {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"},
         address,
         lambda: _port_open(RAY_HOST, ports.gcs),
@@ -574,6 +578,12 @@ def _launch_and_wait(
     """Start ``cmd`` in a new session with its output in ``logs/<name>.log``; wait until ``ready()``.
     A daemonizing command (``ray start``) must exit 0 first. On failure the session is stopped."""
     log = root / "logs" / f"{name}.log"
+    # the service's temporary files (a Ray head's: its workers', the actors') in a directory of its
+    # own, not its caller's (which may be a run's, deleted while the service lives on); `down`
+    # removes it, with what a killed process could not clean up (vLLM's rendezvous file, ...)
+    tmp = root / "tmp" / name
+    tmp.mkdir(parents=True, exist_ok=True)
+    extra_env = {"TMPDIR": str(tmp.resolve()), **extra_env}
     proc, t0 = _spawn(cmd, extra_env, log)
     rec: dict[str, Any] = {
         "name": name,

@@ -228,6 +228,7 @@ class ExactlyOnce:
     deferred_lost: tuple[str, ...]  # deferred, never trained, and neither queued nor buffered
     waiting: int  # deferred prompts still in the long-prompt queue or the rollout buffer
     epochs: int = 1  # epochs of the dataset the cursor began
+    dropped: int = 0  # prompts whose group dynamic sampling dropped (no reward variance): final
 
     @property
     def ok(self) -> bool:
@@ -397,24 +398,28 @@ def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: f
 
 
 def exactly_once(states: StateStore) -> ExactlyOnce:
-    """Every prompt trained at most once, and every deferred prompt trained later or still waiting
-    (long-prompt queue or rollout buffer) in the last committed state."""
+    """Every prompt trained at most once, and every deferred prompt trained later, still waiting
+    (long-prompt queue or rollout buffer) in the last committed state, or dropped by dynamic
+    sampling when its turn came (a group without reward variance is neither trained nor queued)."""
     last = states.latest()
     if last is None:
         return ExactlyOnce(0, (), 0, (), 0)
     trained: Counter[str] = Counter()
     deferred: set[str] = set()
+    dropped: set[str] = set()
     for step in range(last.step + 1):
         log = GroupsLog.from_json(states.get_blob(step, "groups.json").decode())
         trained.update(log.trained)
         deferred.update(log.deferred)
+        dropped.update(log.dropped)
     waiting = set(last.long_queue) | {e.prompt_id for e in last.partial_cache}
     epochs = last.cursor_epoch + 1
     return ExactlyOnce(
         prompts_trained=len(trained),
         trained_twice=tuple(sorted(p for p, n in trained.items() if n > epochs)),
         deferred_total=len(deferred),
-        deferred_lost=tuple(sorted(deferred - set(trained) - waiting)),
+        deferred_lost=tuple(sorted(deferred - set(trained) - waiting - dropped)),
         waiting=len(deferred & waiting),
         epochs=epochs,
+        dropped=len(dropped),
     )

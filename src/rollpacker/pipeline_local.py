@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import textwrap
 import time
@@ -167,7 +168,7 @@ def run_arm_kfp(
         console = _Console(log=log, echo=say, steps=steps, arm=arm)
         t0 = time.monotonic()
         try:
-            with _captured(console), warnings.catch_warnings():
+            with _captured(console), _task_temp_dir(), warnings.catch_warnings():
                 # kfp.local warns on every task that the image name does not say "python"
                 warnings.filterwarnings("ignore", message=".*non-Python base image", category=RuntimeWarning)
                 # ... and that the Kubernetes settings (pipelines/platform.py) do nothing locally
@@ -188,6 +189,26 @@ def run_arm_kfp(
         )
     say(f"[kfp] {arm}: {steps} step(s) done in {time.monotonic() - t0:.1f} s")
     return console.records
+
+
+@contextlib.contextmanager
+def _task_temp_dir() -> Iterator[None]:
+    """The tasks' temporary files in a directory of this run, removed after it: kfp.local writes
+    each task's component source to a ``mktemp -d`` directory it never deletes (one per task)."""
+    import shutil
+    import tempfile
+
+    saved = os.environ.get("TMPDIR")
+    tmp = tempfile.mkdtemp(prefix="kfp-tasks-")
+    os.environ["TMPDIR"] = tmp
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _failure_message(console: _Console, e: Exception, log_path: Path, root: Path) -> str:

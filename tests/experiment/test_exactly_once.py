@@ -15,14 +15,14 @@ from rollpacker.store.state_store import StateStore
 
 
 def _arm(
-    tmp_path, steps: list[tuple[tuple[str, ...], tuple[str, ...]]], queue=(), buffer=(), epoch=0
+    tmp_path, steps: list[tuple[tuple[str, ...], tuple[str, ...]]], queue=(), buffer=(), epoch=0, dropped=None
 ) -> StateStore:
     tmp_path.mkdir(parents=True, exist_ok=True)
     states = StateStore(FileStore(tmp_path), "exp", "arm")
     state = ControllerState("exp", "arm", -1, 0, 0, 0)
     states.init(state)
     for s, (trained, deferred) in enumerate(steps):
-        log = GroupsLog(s, f"a{s}", "short", trained, deferred, ())
+        log = GroupsLog(s, f"a{s}", "short", trained, deferred, (), (dropped or {}).get(s, ()))
         states.put_blob(s, "groups.json", log.to_json().encode())
         last = s == len(steps) - 1
         state = state.successor(
@@ -44,6 +44,16 @@ def test_a_prompt_trained_twice_or_lost_is_reported(tmp_path) -> None:
     twice = exactly_once(_arm(tmp_path / "t", [(("a", "b"), ()), (("b", "c"), ())]))
     assert not twice.ok and twice.trained_twice == ("b",)
     lost = exactly_once(_arm(tmp_path / "l", [(("a",), ("x", "y")), (("x",), ())], queue=()))
+    assert not lost.ok and lost.deferred_lost == ("y",)
+
+
+def test_a_deferred_prompt_that_dynamic_sampling_dropped_later_is_not_lost(tmp_path) -> None:
+    """Under DAPO a queued prompt whose group, in the long round, has no reward variance is dropped:
+    consumed, neither trained nor queued again. Only a prompt in none of the three is lost."""
+    steps = [(("a", "b"), ("x", "y")), (("c",), ())]
+    ok = exactly_once(_arm(tmp_path / "d", steps, dropped={1: ("x", "y")}))
+    assert ok.ok and ok.dropped == 2 and ok.deferred_lost == ()
+    lost = exactly_once(_arm(tmp_path / "l", steps, dropped={1: ("x",)}))
     assert not lost.ok and lost.deferred_lost == ("y",)
 
 

@@ -14,16 +14,15 @@ Which prompts tail batching defers is timing-dependent, so the run is checked ag
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rollpacker import devservices
+from rollpacker.testing.chain import check_chain as _check_chain
+from rollpacker.testing.faults import SERVICES_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -77,6 +76,7 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
 
     for k, v in services.env().items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv(SERVICES_ENV, str(services.root))  # kill only this Ray cluster's actors
     marks = tmp_path / "marks"
     marks.mkdir()
     from rollpacker.stages.hooks import HOOK_ENV
@@ -154,6 +154,7 @@ def test_a_killed_service_is_noticed_at_once_and_the_run_recovers_by_itself(
 
     for k, v in services.env().items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv(SERVICES_ENV, str(services.root))  # kill only this Ray cluster's actors
     marks = tmp_path / "marks"
     marks.mkdir()
     monkeypatch.setenv(HOOK_ENV, HOOK)
@@ -194,57 +195,3 @@ def test_a_killed_service_is_noticed_at_once_and_the_run_recovers_by_itself(
         fired_at = (marks / mark_name(f)).stat().st_mtime
         assert 0 <= noticed - fired_at < 30, f"{f}: noticed {noticed - fired_at:.1f} s after the kill"
     _check_chain(cfg_path, SERVICE_STEPS)
-
-
-def _check_chain(cfg_path: Path, steps: int):  # type: ignore[no-untyped-def]
-    """The committed chain's invariants: every step once, one update per step, the queue and the
-    TP plan follow from the predecessor and the step's groups, every prompt trained exactly once
-    or still queued. Returns the config, the store, the state store and the chain."""
-    from rollpacker.core.config import load_config
-    from rollpacker.core.planner import replay
-    from rollpacker.store import open_store
-    from rollpacker.store.state_store import StateStore
-
-    cfg = load_config(cfg_path)
-    store = open_store(cfg.store)
-    states = StateStore(store, cfg.experiment, "tail_batching")
-    assert states.history() == list(range(-1, steps))
-    chain = [states.load(s) for s in range(-1, steps)]
-    groups = [json.loads(states.get_blob(s, "groups.json")) for s in range(steps)]
-    commits = [json.loads(states.get_blob(s, "commit.json")) for s in range(steps)]  # read as a user would
-
-    p0 = cfg.rollout.prompts_per_step
-    for s in range(steps):
-        prev, cur, g = chain[s], chain[s + 1], groups[s]
-        assert commits[s]["attempt"] == g["attempt"]  # the groups log is the committed attempt's
-        # one optimizer update per committed step: the killed training stage's update is gone
-        assert cur.policy_version == prev.policy_version + 1 == s + 1
-        assert len(g["trained"]) == p0
-        # the queue follows from the predecessor state and this step's groups (FIFO)
-        if g["round_kind"] == "long":
-            assert tuple(g["from_queue"]) == prev.long_queue[:p0]
-            assert cur.long_queue == prev.long_queue[p0:]
-        else:
-            assert cur.long_queue == prev.long_queue + tuple(g["deferred"])
-            assert not set(g["trained"]) & set(prev.long_queue)
-        assert cur.trained_prompts == prev.trained_prompts + p0
-        # the TP plan's history grows by exactly this step, and the plan is its replay
-        assert cur.tp_plan.round_kinds == (*prev.tp_plan.round_kinds, g["round_kind"])
-        assert len(cur.tp_plan.preemption_history) == s + 1
-        start = cur.tp_plan.initial_tp or cfg.planner.initial_tp
-        assert cur.tp_plan.initial_tp == prev.tp_plan.initial_tp or s == 0  # set by the first profile
-        planned = replay(dataclasses.replace(cfg.planner, initial_tp=start), cur.tp_plan.history)
-        assert (cur.tp_plan.short_tp, cur.tp_plan.long_tp) == (
-            planned.tp_for("short"),
-            planned.tp_for("long"),
-        )
-
-    trained = Counter(p for g in groups for p in g["trained"])
-    assert max(trained.values()) == 1, "a prompt was trained twice"
-    deferred = {p for g in groups for p in g["deferred"]}
-    final_queue = set(chain[-1].long_queue)
-    assert deferred <= set(trained) | final_queue, "a deferred prompt was lost"
-    assert final_queue <= deferred
-    assert not set(trained) & final_queue
-
-    return cfg, store, states, chain

@@ -56,6 +56,10 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     (st,) = [s for s in devservices.status(root) if s.name == "seaweedfs"]
     assert st.running and st.healthy and st.pids and st.address == svc.s3_endpoint
     pids = st.pids
+    tmp = root / "tmp" / "seaweedfs"  # the server's temporary files: its own, removed by `down`
+    assert f"TMPDIR={tmp.resolve()}".encode() in Path(f"/proc/{pids[0]}/environ").read_bytes()
+    (tmp / "left-by-a-killed-process").write_text("x")
+    assert not list(root.glob("weed.*")) and list((root / "logs").glob("weed*"))  # its glog files too
 
     again = devservices.up(root, bucket="bkt-two", mlflow=False, ray=False, seaweed_ports=ports)
     assert again.started == () and again.reused == ("seaweedfs",)
@@ -70,6 +74,7 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     assert _alive(pids) == []
     assert _alive([foreign.pid]) == [foreign.pid]  # not ours: untouched
     assert not (root / "pids" / "seaweedfs.json").exists()
+    assert not tmp.exists()
     assert not any(s.running for s in devservices.status(root))
     assert devservices.down(root) == {}
 

@@ -10,9 +10,10 @@ split by part (``state/`` documents, ``steps/`` blobs, ``ckpt/`` checkpoints, ``
 
 Which processes are the services: with ``inline`` services, this process (the stages and every
 service object) and its long-lived children (the vLLM engine core, reward workers); with ``ray``,
-also every ``ray::<Service>`` actor process on this machine and their children (so give a Ray soak
-a Ray head of its own: another run's actors would be sampled too). A jailed sandbox run (uid 65534, or
-``nsjail`` itself) lives for one reward and is not a service: it is left out.
+also every ``ray::<Service>`` actor process under the raylet of the soak's Ray cluster on this
+machine, and their children (another cluster's actors on the same machine are left out). A jailed
+sandbox run (uid 65534, or ``nsjail`` itself) lives for one reward and is not a service: it is
+left out.
 
 Growth is measured after a warm-up (``--warmup``, default a quarter of the steps: allocators,
 caches and the first compiled graphs settle first): ``per_100`` is the least-squares slope of a
@@ -38,6 +39,7 @@ Invariants (tests/bench/test_soak.py):
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -113,15 +115,23 @@ class SoakReport:
 # -- sampling --------------------------------------------------------------------------------------
 
 
-def service_processes(services: str) -> list[Any]:
-    """The processes that hold the services (see the module docstring), this process first."""
+def service_processes(services: str, ray_address: str = "") -> list[Any]:
+    """The processes that hold the services (see the module docstring), this process first. With
+    ``ray_address``, only the service actors of that Ray cluster's raylet on this machine (the
+    workers are the raylet's children): another cluster's actors here are not sampled."""
     import psutil
 
     me = psutil.Process()
     roots = [me]
     if services == "ray":
-        for p in psutil.process_iter(["cmdline", "uids"]):
-            cmd = " ".join(p.info.get("cmdline") or [])
+        candidates = _raylet_descendants(ray_address) if ray_address else None
+        if candidates is None:
+            candidates = list(psutil.process_iter(["cmdline", "uids"]))
+        for p in candidates:
+            try:
+                cmd = " ".join(p.cmdline() or [])
+            except psutil.Error:
+                continue
             if cmd.startswith("ray::") and any(n in cmd for n in SERVICE_NAMES):
                 roots.append(p)
     out: list[Any] = []
@@ -225,6 +235,23 @@ def soak_config(config_path: Path, overrides: dict[str, object], steps: int, out
     return text
 
 
+def _raylet_descendants(address: str) -> list[Any] | None:
+    """The processes under the raylet of the Ray cluster whose GCS is at ``address`` (None when no
+    such raylet runs on this machine)."""
+    import psutil
+
+    flag = f"--gcs-address={address.removeprefix('ray://')}"
+    out: list[Any] = []
+    found = False
+    for p in psutil.process_iter(["name", "cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if cmd and cmd[0].endswith("raylet") and flag in cmd:
+            found = True
+            with contextlib.suppress(psutil.Error):
+                out.extend(p.children(recursive=True))
+    return out if found else None
+
+
 def run_soak(
     config_path: Path,
     steps: int,
@@ -258,6 +285,11 @@ def run_soak(
     report = SoakReport(str(config_path), services, steps, warm, max_growth_pct)
     t0 = time.perf_counter()
     ctx = StageContext.create(text, arm, services)
+    ray_address = ""
+    if services == "ray":
+        from rollpacker.devservices import local_ray_address
+
+        ray_address = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
     ctx.store.check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     reset_arms(cfg, [arm], say)  # a soak always starts from step 0
@@ -268,7 +300,7 @@ def run_soak(
             out = run_step(ctx)
             step_s = time.perf_counter() - s0
             gc.collect()  # what is sampled is what is still referenced, not garbage not yet freed
-            procs = sample_processes(service_processes(services))
+            procs = sample_processes(service_processes(services, ray_address))
             objects, size = store_usage(ctx.store, ctx.states.prefix)
             doc = object_bytes(ctx.store, ctx.states.state_key(out.step))
             report.samples.append(StepSample(out.step, step_s, procs, objects, size, doc))
