@@ -300,6 +300,7 @@ def run_chaos(
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     report = ChaosReport(steps, seed, list(arms), task)
+    preexisting = _child_pids()  # this process's children from before the run are not its leftovers
     saved_env = dict(os.environ)
     tmp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's sockets live under it
     os.environ["TMPDIR"] = str(tmp)  # every process of the run writes its temporary files here
@@ -343,7 +344,7 @@ def run_chaos(
         say("[chaos] stopping the local services")
         records.update(_records(root, "end"))  # restarted servers run in sessions of their own
         devservices.down(root, grace_s=5.0)
-        report.leftovers = leftovers(records, sw_ports, ml_port, ray_ports, tmp, root)
+        report.leftovers = leftovers(records, sw_ports, ml_port, ray_ports, tmp, root, preexisting)
         shutil.rmtree(tmp, ignore_errors=True)  # counted: now the run's own directory goes too
         os.environ.clear()
         os.environ.update(saved_env)
@@ -564,10 +565,26 @@ def compare_runs(ref_cfg: Path, run_cfg: Path, arms: Sequence[str], steps: int) 
     return out
 
 
+def _child_pids() -> set[int]:
+    import psutil
+
+    try:
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
 def leftovers(
-    records: dict[str, Any], sw_ports: Any, ml_port: int, ray_ports: Any, tmp: Path, services_root: Path
+    records: dict[str, Any],
+    sw_ports: Any,
+    ml_port: int,
+    ray_ports: Any,
+    tmp: Path,
+    services_root: Path,
+    preexisting: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, Any]:
-    """After the services are stopped: processes of their sessions or of this process still alive,
+    """After the services are stopped: processes of their sessions or of this process still alive
+    (but not children it had before the run: another test's services in the same pytest process),
     ports still listening, files left in the run's temporary directory."""
     import psutil
 
@@ -583,6 +600,8 @@ def leftovers(
         except (OSError, psutil.Error):
             continue
     for c in psutil.Process().children(recursive=True):
+        if c.pid in preexisting:
+            continue
         try:
             cmd = " ".join(c.cmdline())
             # multiprocessing's resource tracker serves this process (the in-process reference's
