@@ -103,6 +103,8 @@ class RolloutService(Service, RolloutAPI):
         self.model_dir: Path | None = None
         self._round_lock = threading.Lock()
         self._attempt = ""
+        # rounds and validations run since the engine's weights (and its prefix cache) were loaded
+        self._rounds_on_weights = 0
         self._pred: Any = None
         self._pred_uri = ""
 
@@ -119,9 +121,12 @@ class RolloutService(Service, RolloutAPI):
 
         started = reloaded = False
         if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
-            # the same weights again: a step re-run after a failed attempt. The failed attempt's
-            # cached prefixes go, so the re-run meets the engine as the first attempt did.
-            forget_cached(self.engine)
+            # the same weights again (a step re-run after a failed attempt, or a step after one
+            # whose weights were pushed in place): whatever ran since the weights loaded leaves its
+            # cached prefixes, which go, so every step meets the engine as a first attempt does.
+            if self._rounds_on_weights:
+                forget_cached(self.engine)
+                self._rounds_on_weights = 0
             return EngineSync(False, False, 0.0, self.policy_version)
         local = cached_download(self.store(), state.checkpoint_uri, checkpoint_cache())
         model_dir = local / "model" if (local / "model").is_dir() else local
@@ -138,6 +143,7 @@ class RolloutService(Service, RolloutAPI):
         self.model_dir = model_dir
         self.checkpoint_uri = state.checkpoint_uri
         self.policy_version = state.policy_version
+        self._rounds_on_weights = 0
         return EngineSync(started, reloaded, time.perf_counter() - t0, self.policy_version)
 
     def _start_layouts(self, ecfg: Any) -> Any:
@@ -222,6 +228,7 @@ class RolloutService(Service, RolloutAPI):
             self.engine.load_weights(weights.items())
             self.policy_version = policy_version
             self.checkpoint_uri = checkpoint_uri
+            self._rounds_on_weights = 0  # the engine dropped its prefix cache with the old weights
         return time.perf_counter() - t0
 
     # -- planning ---------------------------------------------------------------------------------
@@ -295,6 +302,7 @@ class RolloutService(Service, RolloutAPI):
                     scaler.observe(completed)
 
             self._remember_cached(state)
+            self._rounds_on_weights += 1
             try:
                 run = run_round(
                     self.engine,
@@ -465,6 +473,7 @@ class RolloutService(Service, RolloutAPI):
             prompts = data.train_prompts if v.split == "train" else data.val_prompts
             reqs = sample_requests(prompts, v.samples, sp, f"val/{self.arm}/{attempt}/s{step}")
             t0 = time.perf_counter()
+            self._rounds_on_weights += 1  # its prompts' prefixes are cached too
             comps = generate(self.engine, reqs)
         tok = _tokenizer(str(self.model_dir))
         by_role: dict[str, list[ScoreItem]] = {}
