@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -211,8 +213,10 @@ class VLLMEngine:
         # core's own step times (system-wide clock on Linux).
         self._core_ts = 0.0
         self._busy_since = 0.0
+        self._watch: _CoreWatch | None = None
         if not in_process:
             self._stamp_core_outputs()
+            self._watch = _CoreWatch.start(self._engine.engine_core, cfg.model_dir)
         hf = self._engine.model_config.hf_config
         self._vocab = int(hf.vocab_size)
         tok = self._engine.get_tokenizer()
@@ -258,11 +262,34 @@ class VLLMEngine:
         fetch = core.get_output
 
         def get_output() -> Any:
-            out = fetch()
+            try:
+                out = fetch()
+            except Exception as e:
+                self._raise_if_dead(e)
+                raise
             self._core_ts = float(getattr(out, "timestamp", 0.0) or time.monotonic())
             return out
 
         core.get_output = get_output
+
+    @property
+    def dead(self) -> bool:
+        """Whether the engine core process died: every call on this engine raises from then on,
+        and its owner closes it and starts another (the rollout service does at the next sync)."""
+        return self._watch is not None and self._watch.error is not None
+
+    def _raise_if_dead(self, cause: BaseException | None = None) -> None:
+        if self._watch is not None and (err := self._watch.check()) is not None:
+            raise err from cause
+
+    def _core(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Call the vLLM engine; a dead engine core surfaces as the ``EngineError`` naming it."""
+        self._raise_if_dead()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            self._raise_if_dead(e)
+            raise
 
     # -- port ---------------------------------------------------------------------------------
     @property
@@ -314,7 +341,7 @@ class VLLMEngine:
         )
         if not self._live:  # the core was idle: its next step time starts now
             self._busy_since = time.monotonic()
-        self._engine.add_request(request.request_id, {"prompt_token_ids": ids}, params)
+        self._core(self._engine.add_request, request.request_id, {"prompt_token_ids": ids}, params)
         self._used[request.request_id] = None
         if len(self._used) > USED_IDS_KEPT:
             del self._used[next(iter(self._used))]
@@ -323,13 +350,14 @@ class VLLMEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         ids = [r for r in request_ids if r in self._live]
         if ids:
-            self._engine.abort_request(ids)
+            if not self.dead:  # a dead core holds nothing to abort
+                self._engine.abort_request(ids)
             self._live.difference_update(ids)
 
     def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
         start = time.perf_counter()
         prev = max(self._core_ts, self._busy_since)
-        outs = self._engine.step()
+        outs = self._core(self._engine.step)
         duration = time.perf_counter() - start
         if not self._in_process and self._core_ts > prev:
             duration = self._core_ts - prev  # the core's step time (see __init__)
@@ -403,7 +431,8 @@ class VLLMEngine:
         # (oneDNN on CPU, quantized layouts on GPU), loads checkpoint-format tensors, and
         # re-runs the post-load processing. A plain model.load_weights would hit repacked params.
         if self._in_process:
-            self._engine.collective_rpc(
+            self._core(
+                self._engine.collective_rpc,
                 "reload_weights",
                 kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True},
             )
@@ -420,25 +449,29 @@ class VLLMEngine:
             tmp = Path(self._weights_dir) / "model.safetensors.tmp"
             save_file({n: t.contiguous() for n, t in weights}, str(tmp))
             tmp.replace(Path(self._weights_dir) / "model.safetensors")
-            self._engine.collective_rpc(
-                "reload_weights", kwargs={"weights_path": self._weights_dir, "is_checkpoint_format": True}
+            self._core(
+                self._engine.collective_rpc,
+                "reload_weights",
+                kwargs={"weights_path": self._weights_dir, "is_checkpoint_format": True},
             )
         # Cached KV / prefixes were computed with the old weights.
-        self._engine.reset_prefix_cache()
+        self._core(self._engine.reset_prefix_cache)
 
     def forget_cached(self) -> None:
         """Drop the cached prefixes (KV) of earlier requests: a step re-run on the same weights
         after a failed attempt then meets the engine as the first attempt did (the same cache hits,
         the same prefill chunks, so on CPU, where the engine-wide generator samples, the same
         draws in the same order)."""
-        self._engine.reset_prefix_cache()
+        self._core(self._engine.reset_prefix_cache)
 
     def close(self) -> None:
         eng = getattr(self, "_engine", None)
         if eng is None:
             return
+        if self._watch is not None:
+            self._watch.closing.set()
         try:
-            if self._live:
+            if self._live and not self.dead:
                 eng.abort_request(list(self._live))
             shutdown = getattr(eng, "shutdown", None) or getattr(eng.engine_core, "shutdown", None)
             if shutdown is not None:
@@ -451,6 +484,70 @@ class VLLMEngine:
 
                 shutil.rmtree(self._weights_dir, ignore_errors=True)
                 self._weights_dir = None
+
+
+CORE_WATCH_S = 0.25  # how often a client checks that its engine core process is alive
+
+
+class _CoreWatch:
+    """Turns the death of an engine core process into an ``EngineError`` for every waiter.
+
+    vLLM's client notices a dead core (its monitor marks the client dead and shuts it down), but a
+    ``get_output`` or utility call already waiting then waits forever: the output thread exits
+    without a word. This watcher (a thread holding no reference to the engine) checks the client's
+    flag every ``CORE_WATCH_S``; on a death it records the error naming the process and its exit
+    signal, hands it to the waiting ``get_output`` through the client's output queue and fails
+    every pending utility call (a weight reload, a cache reset) with it."""
+
+    def __init__(self, core: Any, model_dir: str) -> None:
+        self.core = core
+        self.model_dir = model_dir
+        manager = getattr(core.resources, "engine_manager", None)
+        self.procs = list(getattr(manager, "processes", None) or [])
+        self.closing = threading.Event()
+        self.error: EngineError | None = None
+
+    @classmethod
+    def start(cls, core: Any, model_dir: str) -> _CoreWatch:
+        w = cls(core, model_dir)
+        threading.Thread(target=w._run, name="rollpacker-engine-core-watch", daemon=True).start()
+        return w
+
+    def _run(self) -> None:
+        while not self.closing.wait(CORE_WATCH_S):
+            if self.check() is not None:
+                return
+
+    def check(self) -> EngineError | None:
+        """The error once the core is dead (and not closed by us); it unblocks every waiter."""
+        if self.error is not None or self.closing.is_set():
+            return self.error
+        if not getattr(self.core.resources, "engine_dead", False):
+            return None
+        err = EngineError(self._describe())
+        self.error = err
+        queue = getattr(self.core, "outputs_queue", None)
+        if queue is not None:
+            queue.put_nowait(err)
+        for fut in list(getattr(self.core, "utility_results", {}).values()):
+            if not fut.done():
+                fut.set_exception(err)
+        log.error("%s", err)
+        return err
+
+    def _describe(self) -> str:
+        dead = []
+        for p in self.procs:
+            code = p.exitcode
+            if code is None:
+                continue
+            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            dead.append(f"pid {p.pid} ({how})")
+        which = ", ".join(dead) or "its process"
+        return (
+            f"vLLM engine core of {self.model_dir} died: {which}. The engine is unusable; its "
+            "owner closes it and starts a new one (the rollout service does at the next sync)."
+        )
 
 
 def _fmt_gib(x: float) -> str:
