@@ -262,11 +262,7 @@ class VLLMEngine:
         fetch = core.get_output
 
         def get_output() -> Any:
-            try:
-                out = fetch()
-            except Exception as e:
-                self._raise_if_dead(e)
-                raise
+            out = fetch()
             self._core_ts = float(getattr(out, "timestamp", 0.0) or time.monotonic())
             return out
 
@@ -275,7 +271,7 @@ class VLLMEngine:
     @property
     def dead(self) -> bool:
         """Whether the engine core process died: every call on this engine raises from then on,
-        and its owner closes it and starts another (the rollout service does at the next sync)."""
+        and its owner has to close it and start another."""
         return self._watch is not None and self._watch.error is not None
 
     def _raise_if_dead(self, cause: BaseException | None = None) -> None:
@@ -541,12 +537,17 @@ class _CoreWatch:
             code = p.exitcode
             if code is None:
                 continue
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            how = f"exit code {code}"
+            if code < 0:
+                try:
+                    how = f"signal {signal.Signals(-code).name}"
+                except ValueError:
+                    how = f"signal {-code}"
             dead.append(f"pid {p.pid} ({how})")
         which = ", ".join(dead) or "its process"
         return (
-            f"vLLM engine core of {self.model_dir} died: {which}. The engine is unusable; its "
-            "owner closes it and starts a new one (the rollout service does at the next sync)."
+            f"vLLM engine core of {self.model_dir} died: {which}. The engine is unusable: close "
+            "it and start a new one."
         )
 
 
