@@ -1408,6 +1408,14 @@ def chaos_cmd(
         int | None, typer.Option(help="In-run retries per arm.", show_default="2 per fault + 2")
     ] = None,
     ref_runner: Annotated[str, typer.Option(help="Runner of the fault-free reference.")] = "inline",
+    devices: Annotated[
+        int,
+        typer.Option(
+            help="CPU devices of the rollout's engine layouts (planner.devices): each replica's vLLM "
+            "engine core runs in a process of its own, which adds the engine-core kind. 0: one "
+            "in-process engine."
+        ),
+    ] = 0,
     out_dir: Annotated[Path, typer.Option(help="Services, state, logs of the run.")] = Path("build/chaos"),
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/chaos.json"),
 ) -> None:
@@ -1435,6 +1443,7 @@ def chaos_cmd(
                 retries=retries,
                 ref_runner=ref_runner,
                 kinds=kind_list,
+                devices=devices,
                 say=lambda s: print(s, file=console(), flush=True),
             )
     except RollpackerError as e:

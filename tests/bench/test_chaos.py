@@ -176,3 +176,50 @@ def test_kills_are_limited_to_the_services_ray_session(
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def test_an_engine_core_is_killed_when_it_next_works_not_while_it_idles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine-core fault's watcher: a core that waits on its socket uses no CPU and is spared;
+    it is SIGKILLed once it computes (a stand-in process: idle 1 s, then busy)."""
+    code = "import time\ntime.sleep(1.0)\nwhile True:\n    pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        monkeypatch.setattr(faults, "engine_core_pids", lambda: [proc.pid] if proc.poll() is None else [])
+        t0 = time.monotonic()
+        faults._kill_busy_core(str(tmp_path), "rollout:EngineCore@1", wait_s=20.0)
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        doc = json.loads((tmp_path / faults.mark_name("rollout:EngineCore@1")).read_text())
+        assert doc["killed"] and doc["pids"] == [proc.pid]
+        assert 0.9 < doc["waited_s"] < 5.0 and time.monotonic() - t0 < 6.0, doc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # the run's accounting starts the fault at the kill, not at the hook that armed the watcher
+    f = Fault("tb", 1, "engine-core", "rollout")
+    ctl = Controller(None, None, 0, 0.0)
+    ctl.commits["tb"] = [(10.0, 0), (doc["t_kill"] + 7.0, 1)]
+    (row,) = _outcomes([f], _run(True, []), ctl, tmp_path)
+    assert row["fired"] and row["recover_s"] == pytest.approx(7.0) and row["t_stop"] == doc["t_kill"]
+
+
+def test_a_core_that_never_works_is_not_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        monkeypatch.setattr(faults, "engine_core_pids", lambda: [proc.pid])
+        faults._kill_busy_core(str(tmp_path), "rollout:EngineCore@2", wait_s=1.5)
+        assert proc.poll() is None
+        doc = json.loads((tmp_path / faults.mark_name("rollout:EngineCore@2")).read_text())
+        assert doc == {"spec": "rollout:EngineCore@2", "killed": False}
+        (row,) = _outcomes(
+            [Fault("tb", 2, "engine-core", "rollout")],
+            _run(True, []),
+            Controller(None, None, 0, 0.0),
+            tmp_path,
+        )
+        assert not row["fired"] and not row["recovered"]
+    finally:
+        proc.kill()
+        proc.wait()

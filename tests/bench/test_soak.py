@@ -3,7 +3,9 @@ the store sampled, and (slow) a short real soak through the one step path."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,8 @@ from rollpacker.bench.soak import (
     slope,
     store_growth,
     store_usage,
+    thread_names,
+    threads_changed,
 )
 from rollpacker.store.local import FileStore
 
@@ -64,6 +68,35 @@ def test_a_flat_series_holds_and_a_growing_one_does_not() -> None:
 def test_one_noisy_sample_at_the_end_does_not_decide() -> None:
     spike = _report([1000.0] * 41 + [1200.0], [10] * 42)
     assert _row(growth_table(spike), "rss_mb")["holds"]
+
+
+def test_threads_are_counted_by_name_and_the_change_names_them() -> None:
+    import threading
+
+    before = thread_names(os.getpid())
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        during = thread_names(os.getpid())
+    finally:
+        stop.set()
+        t.join()
+    assert (
+        sum(during.values()) == sum(before.values()) + 1 == len(os.listdir(f"/proc/{os.getpid()}/task")) + 1
+    )
+    assert sum(threads_changed(before, during).values()) == 1
+    assert threads_changed({"a": 2, "b": 1}, {"a": 2, "c": 1}) == {"b": -1, "c": 1}
+    r = _report([1000.0] * 12, [10] * 12)
+    for i, s in enumerate(r.samples):  # two more "grpc" threads from step 6 on
+        p = s.procs[0]
+        n = {"main": 1, "grpc": 2 if i < 6 else 4}
+        r.samples[i] = dataclasses.replace(
+            s, procs=(dataclasses.replace(p, threads=sum(n.values()), thread_names=n),)
+        )
+    row = _row(growth_table(r), "threads")
+    assert row["names_changed"] == {"grpc": 2} and not row["holds"]
+    assert "grpc +2" in render(r.to_dict())
 
 
 def test_store_parts_bounded_or_not() -> None:

@@ -168,3 +168,22 @@ def test_fake_engine_preempts_when_kv_is_full() -> None:
     eng = FakeEngine(concurrency=8, kv_capacity_tokens=60)
     _drain(eng, [_req(20) for _ in range(6)])
     assert eng.num_preemptions() > 0
+
+
+def test_a_serving_engine_is_not_dead(engine) -> None:
+    _drain(engine, [_req(3)])
+    assert engine.dead is False
+
+
+def test_the_fake_engine_core_dies_as_vllms_does() -> None:
+    """What tests/engines/test_engine_core_death.py asks of a SIGKILLed vLLM engine core."""
+    eng = FakeEngine(concurrency=CONCURRENCY)
+    eng.add_request(_req(50))
+    eng.step()
+    eng.kill("planted")
+    assert eng.dead
+    for call in (eng.step, lambda: eng.add_request(_req(3)), lambda: eng.load_weights([("w", 1.0)])):
+        with pytest.raises(EngineError, match="died"):
+            call()
+    eng.abort(["c0"])  # abort and close still return
+    eng.close()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,11 +33,21 @@ def _hung(*_: object) -> None:
     raise AssertionError("step() still waits 60 s after its engine core was killed")
 
 
-def test_a_killed_engine_core_fails_the_waiting_step_with_its_pid_and_signal() -> None:
+def test_a_killed_engine_core_fails_the_waiting_step_with_its_pid_and_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rollpacker.tasks.tiny_model import build_tiny_model
 
+    # a temporary directory as deep as a Ray actor's under a services directory: vLLM's socket
+    # paths would pass the 107-byte limit of a Unix socket there, and the engine would not start
+    deep = tmp_path / ("d" * 40) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     cfg = EngineConfig(model_dir=str(build_tiny_model("tiny")), max_num_seqs=8, max_model_len=512)
     eng = start_replica(cfg, 1, [str(min(os.sched_getaffinity(0)))])
+    ipc = eng._ipc_dir  # vLLM's ZMQ socket files: a directory of the engine's own
+    assert ipc and any(stat.S_ISSOCK(os.stat(os.path.join(ipc, f)).st_mode) for f in os.listdir(ipc))
     try:
         cores = [
             k
@@ -63,3 +76,4 @@ def test_a_killed_engine_core_fails_the_waiting_step_with_its_pid_and_signal() -
         t0 = time.monotonic()
         eng.close()
         assert time.monotonic() - t0 < 30
+        assert not os.path.exists(ipc), "the dead engine's socket files are left behind"

@@ -31,6 +31,7 @@ from rollpacker.engines.fake import FakeEngine
 from rollpacker.engines.layout import EnginePool, LayoutEngine, ScaleDownRuntime, SwitchingEngine
 from rollpacker.rollout.driver import RoundRun, run_round
 from tests.conftest import make_prompts
+from tests.services.fakes import RoundPeers
 from tests.small_model import build_small_model
 
 DP2 = Layout(1, 2)
@@ -190,44 +191,6 @@ def test_refused_attempts_are_counted_and_nothing_moves() -> None:
 
 
 # -- the rollout service's round on the fake replicas -------------------------------------------------
-class _Reward:
-    def __init__(self) -> None:
-        self.groups: list[str] = []
-
-    def score(self, *args: Any) -> None:
-        pass
-
-    def group(self, attempt: str, group: Any, texts: Any) -> None:
-        self.groups.append(group.prompt.prompt_id)
-
-
-class _Trainer:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, tuple[str, ...]]] = []
-
-    def repurpose(self, attempt: str, devices: tuple[str, ...]) -> Any:
-        self.calls.append((attempt, devices))
-
-
-class _Peers:
-    def __init__(self) -> None:
-        self.rewards = _Reward()
-        self.train = _Trainer()
-
-    def reward(self, role: str) -> _Reward:
-        return self.rewards
-
-    def trainer(self) -> _Trainer:
-        return self.train
-
-    def cast_failure(self, attempt: str) -> str | None:
-        return None
-
-    def refresh(self) -> None:
-        pass
-
-    def rollout(self) -> Any:
-        raise AssertionError("the round does not call the rollout service")
 
 
 SERVICE_CONFIG = """
@@ -240,12 +203,12 @@ store: {{endpoint: "file://{root}"}}
 """
 
 
-def _service(tmp_path: Path, enabled: bool) -> tuple[Any, _Peers]:
+def _service(tmp_path: Path, enabled: bool) -> tuple[Any, RoundPeers]:
     from rollpacker.services.rollout import RolloutService
     from rollpacker.tasks.tiny_model import build_tiny_model, vocab
 
     svc = RolloutService(SERVICE_CONFIG.format(enabled=str(enabled).lower(), root=tmp_path), "tail_batching")
-    peers = _Peers()
+    peers = RoundPeers()
     svc.bind(peers)
     svc.model_dir = build_tiny_model("micro")
     reps = [_Replica(concurrency=512, vocab_size=len(vocab()), stop_prob=1 / 48) for _ in range(2)]

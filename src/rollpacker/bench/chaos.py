@@ -69,7 +69,7 @@ KINDS: dict[str, tuple[tuple[str, ...], str]] = {
     "rollout-actor": (("rollout",), "RolloutService"),
     "reward-actor": (("reward", "rollout"), "RewardService"),
     "trainer-actor": (("rollout", "reward"), "TrainerService"),
-    "engine-core": (("rollout",), "EngineCore"),
+    "engine-core": (("plan",), "EngineCore"),  # killed when next busy: the step's round or profile
     "s3-restart": (("rollout", "train", "commit"), "s3-restart"),
     "mlflow-down": (("rollout", "commit"), "mlflow-down"),
     "sandbox-hang": (("rollout",), "sandbox-hang"),
@@ -134,8 +134,13 @@ def schedule(seed: int, steps: int, n: int, arms: Sequence[str], kinds: Sequence
 # -- the config ------------------------------------------------------------------------------------
 
 
-def chaos_config(path: Path, svc: Any, experiment: str, steps: int, arms: Sequence[str], task: str) -> Path:
-    """A small config on the local services (``svc``): tiny model, 4 prompts x 2 responses."""
+def chaos_config(
+    path: Path, svc: Any, experiment: str, steps: int, arms: Sequence[str], task: str, devices: int = 0
+) -> Path:
+    """A small config on the local services (``svc``): tiny model, 4 prompts x 2 responses; with
+    ``devices`` the rollout runs on engine layouts of that many CPU devices (TP 1 only), each
+    replica's vLLM engine core a process of its own (what the ``engine-core`` kind kills)."""
+    layouts = f"devices: {devices}, max_tp: 1, " if devices else ""
     path.write_text(
         f"""
 experiment: {experiment}
@@ -148,7 +153,7 @@ task: {{name: {task}, num_examples: 400, val_size: 8}}
 model: {{preset: tiny, warmup_steps: 200}}
 rollout: {{prompts_per_step: 4, responses_per_prompt: 2, max_tokens: 64}}
 engine: {{max_num_seqs: 32, max_model_len: 400, kv_cache_gib: 1}}
-planner: {{profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}
+planner: {{{layouts}profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}
 reward: {{sandbox: {{t_min_s: 0.5, t_max_s: 3.0}}}}
 validation: {{every: 1000, max_tokens: 32}}
 """
@@ -262,6 +267,7 @@ class ChaosReport:
     leftovers: dict[str, Any] = field(default_factory=dict)
     reference_step_s: float = 0.0
     wall_s: float = 0.0
+    devices: int = 0  # planner.devices of the config (0: one in-process engine)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -281,6 +287,7 @@ def run_chaos(
     ref_runner: str = "inline",
     outage_s: float = 3.0,
     kinds: Sequence[str] | None = None,
+    devices: int = 0,
     say: Callable[[str], None] = lambda s: None,
 ) -> ChaosReport:
     """Services up, the reference run, the chaos run, the checks, services down (see the module
@@ -295,11 +302,20 @@ def run_chaos(
     unknown = sorted(set(kinds or ()) - set(KINDS))
     if unknown:
         raise ConfigError(f"--kinds: unknown fault kind(s) {unknown}; known: {', '.join(KINDS)}")
+    if devices < 0 or devices > len(os.sched_getaffinity(0)):
+        raise ConfigError(
+            f"--devices {devices}: this machine offers {len(os.sched_getaffinity(0))} CPU devices; "
+            "use 0 (one in-process engine) up to that"
+        )
+    if "engine-core" in (kinds or ()) and not devices:
+        raise ConfigError(
+            "--kinds engine-core: an engine core of its own needs engine layouts; add --devices 1"
+        )
     schedule(seed, steps, n_faults, list(arms), list(kinds or KINDS))  # refuses before anything starts
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    report = ChaosReport(steps, seed, list(arms), task)
+    report = ChaosReport(steps, seed, list(arms), task, devices=devices)
     preexisting = _child_pids()  # this process's children from before the run are not its leftovers
     saved_env = dict(os.environ)
     tmp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # short: Ray's sockets live under it
@@ -327,8 +343,10 @@ def run_chaos(
         records = _records(root, "start")
         ctl.start()
         tag = f"s{seed}"
-        ref_cfg = chaos_config(out_dir / "reference.yaml", svc, f"chaos-ref-{tag}", steps, arms, task)
-        run_cfg = chaos_config(out_dir / "chaos.yaml", svc, f"chaos-{tag}", steps, arms, task)
+        ref_cfg = chaos_config(
+            out_dir / "reference.yaml", svc, f"chaos-ref-{tag}", steps, arms, task, devices
+        )
+        run_cfg = chaos_config(out_dir / "chaos.yaml", svc, f"chaos-{tag}", steps, arms, task, devices)
         cfg = load_config(run_cfg)
         plan = schedule(seed, steps, n_faults, list(arms), kinds or available_kinds(cfg))
         say(f"[chaos] {len(plan)} faults: " + ", ".join(f"{f.arm}/{f.spec}" for f in plan))
@@ -464,6 +482,24 @@ def _chaos_arm(
     }
 
 
+def _watcher_outcome(mark: Path, wait_s: float = 30.0) -> dict[str, Any]:
+    """What a fault's watcher process wrote into its mark (``{}`` without one): the hook creates
+    the mark, the watcher replaces its text with JSON when it is done, which can be a moment after
+    the run ended."""
+    t0 = time.monotonic()
+    while mark.exists():
+        text = mark.read_text()
+        if text.startswith("{"):
+            try:
+                return dict(json.loads(text))
+            except ValueError:
+                pass  # being written
+        if time.monotonic() - t0 > wait_s:
+            return {}
+        time.sleep(0.2)
+    return {}
+
+
 def _outcomes(faults: list[Fault], run: dict[str, Any], ctl: Controller, marks: Path) -> list[dict[str, Any]]:
     """Per fault: whether and when it fired, recovered, the seconds to recover, the re-runs it cost."""
     from rollpacker.testing.faults import mark_name
@@ -474,12 +510,17 @@ def _outcomes(faults: list[Fault], run: dict[str, Any], ctl: Controller, marks: 
     for f in faults:
         mark = marks / mark_name(f.spec)
         row: dict[str, Any] = {**dataclasses.asdict(f), "spec": f.spec, "fired": mark.exists()}
+        doc = _watcher_outcome(mark) if f.kind in ("sandbox-hang", "engine-core") else {}
         if f.kind == "sandbox-hang" and mark.exists():
-            doc = json.loads(mark.read_text() or "{}") if mark.read_text().startswith("{") else {}
             row["fired"] = bool(doc.get("stopped"))
             if row["fired"]:
                 row["hang_s"] = doc["t_gone"] - doc["t_stop"]
                 row["t_stop"] = doc["t_stop"]
+        if f.kind == "engine-core" and mark.exists():  # killed when it was next busy
+            row["fired"] = bool(doc.get("killed"))
+            if row["fired"]:
+                row["t_stop"] = doc["t_kill"]
+                row["waited_s"] = doc["waited_s"]
         ev = next((e for e in ctl.events if e.get("spec") == f.spec and e["action"] != "mlflow-up"), None)
         up = next((e for e in ctl.events if e.get("spec") == f.spec and e["action"] == "mlflow-up"), None)
         if ev is not None:

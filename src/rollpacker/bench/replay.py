@@ -296,6 +296,10 @@ class TrackingEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self._inner.load_weights(named_tensors)
 
+    @property
+    def dead(self) -> bool:
+        return bool(getattr(self._inner, "dead", False))
+
     def close(self) -> None:
         self._inner.close()
 

@@ -76,6 +76,9 @@ class ProcSample:
     threads: int
     fds: int
     py_objects: int = 0  # the driver only: objects the garbage collector tracks (0: not counted)
+    # its threads by name (the kernel's, /proc/<pid>/task/*/comm: native threads too), so that a
+    # change in the count can be traced to what started them
+    thread_names: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,35 @@ def sample_processes(procs: Sequence[Any]) -> tuple[ProcSample, ...]:
         n = counts.get(name, 0)
         counts[name] = n + 1
         objs = len(gc.get_objects()) if p.pid == me else 0
-        out.append(ProcSample(name if n == 0 else f"{name}#{n}", p.pid, rss / 2**20, threads, fds, objs))
+        label = name if n == 0 else f"{name}#{n}"
+        out.append(ProcSample(label, p.pid, rss / 2**20, threads, fds, objs, thread_names(p.pid)))
     return tuple(out)
+
+
+def thread_names(pid: int) -> dict[str, int]:
+    """The threads of process ``pid`` counted by name (empty when /proc cannot tell)."""
+    out: dict[str, int] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:
+            continue  # ended between listing and reading
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def threads_changed(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Threads by name whose count differs between two samples (positive: more after)."""
+    return {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in sorted({*before, *after})
+        if after.get(k, 0) != before.get(k, 0)
+    }
 
 
 def _role(p: Any) -> str:
@@ -376,7 +406,15 @@ def growth_table(report: SoakReport) -> list[dict[str, Any]]:
                     "window": k,
                 }
             )
+            if key == "threads":  # which threads came or went between the warm-up and the end
+                first, end = _proc(report, name, after[0][0]), _proc(report, name, after[-1][0])
+                if first is not None and end is not None:
+                    rows[-1]["names_changed"] = threads_changed(first.thread_names, end.thread_names)
     return rows
+
+
+def _proc(report: SoakReport, name: str, i: int) -> ProcSample | None:
+    return next((p for p in report.samples[i].procs if p.name == name), None)
 
 
 def store_growth(report: SoakReport) -> dict[str, Any]:
@@ -452,6 +490,9 @@ def render(d: dict[str, Any]) -> str:
             f"{clip(r['process'], 28):<28}  {r['measure']:<10}  {r['first']:>9.1f}  {r['at_warmup']:>9.1f}  "
             f"{r['last']:>9.1f}  {r['per_100']:>+9.2f}  {r['change_pct']:>+7.2f} {ok}"
         )
+        if r.get("names_changed"):
+            named = ", ".join(f"{k} {v:+d}" for k, v in r["names_changed"].items())
+            lines.append(f"{'':<30}threads by name, warm-up to end: {named}")
     shdr = (
         f"{'store part':<12}  {'objects':>8}  {'bytes warm':>12}  {'bytes last':>12}  {'B/step':>10}  bounded"
     )

@@ -56,4 +56,11 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None: ...
 
+    @property
+    def dead(self) -> bool:
+        """Whether the engine can no longer serve (its engine core process died): every call but
+        ``abort`` and ``close`` raises ``EngineError`` from then on, and its owner closes it and
+        starts another."""
+        ...
+
     def close(self) -> None: ...

@@ -74,6 +74,7 @@ class FakeEngine:
         self._all_ids: set[str] = set()
         self._preemptions = 0
         self._weights_version = "init"
+        self._killed = ""
 
     # -- port ---------------------------------------------------------------------------------
     @property
@@ -103,7 +104,23 @@ class FakeEngine:
     def now(self) -> float:
         return self._clock
 
+    @property
+    def dead(self) -> bool:
+        return bool(self._killed)
+
+    def kill(self, why: str = "killed") -> None:
+        """Simulate the death of the engine core (as a SIGKILL of vLLM's core process): every
+        later call but ``abort`` and ``close`` raises ``EngineError``."""
+        self._killed = why
+        self._running.clear()
+        self._waiting.clear()
+
+    def _alive(self) -> None:
+        if self._killed:
+            raise EngineError(f"fake engine core died ({self._killed}); close it and start a new one")
+
     def add_request(self, request: GenerationRequest) -> None:
+        self._alive()
         if request.request_id in self._all_ids:
             raise EngineError(f"request id {request.request_id!r} was already used on this engine")
         self._all_ids.add(request.request_id)
@@ -125,6 +142,7 @@ class FakeEngine:
         return min(1.0, used / self._kv_cap)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        self._alive()
         h = hashlib.sha256()
         n = 0
         for name, tensor in named_tensors:
@@ -140,6 +158,7 @@ class FakeEngine:
         self._waiting.clear()
 
     def step(self) -> tuple[list[RequestUpdate], EngineStepStats]:
+        self._alive()
         start = self._clock
         # Admit waiting requests up to the concurrency limit, then preempt while KV overflows.
         admitted: list[_Req] = []

@@ -293,6 +293,11 @@ class LayoutEngine:
         for r in self.replicas:
             forget_cached(r)
 
+    @property
+    def dead(self) -> bool:
+        """Whether a replica's engine core died (the layout cannot serve until it is rebuilt)."""
+        return any(bool(getattr(r, "dead", False)) for r in self.replicas)
+
     def close(self) -> None:
         for r in self.replicas:
             r.close()
@@ -388,6 +393,11 @@ class EnginePool:
 
     def num_preemptions(self) -> int:
         return sum(e.num_preemptions() for e in self.engines.values())
+
+    @property
+    def dead(self) -> bool:
+        """Whether an engine core of any layout died."""
+        return any(e.dead for e in self.engines.values())
 
     def close(self) -> None:
         for e in self.engines.values():
@@ -567,6 +577,10 @@ class SwitchingEngine:
 
     def forget_cached(self) -> None:
         self.pool.forget_cached()
+
+    @property
+    def dead(self) -> bool:
+        return self.pool.dead
 
     def close(self) -> None:
         self.pool.close()

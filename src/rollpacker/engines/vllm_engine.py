@@ -13,13 +13,15 @@ still be guarded by ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -203,7 +205,13 @@ class VLLMEngine:
         self._in_process = in_process
         self._weights_dir: str | None = None
         t0 = time.perf_counter()
-        self._engine = _start_llm_engine(model_dir, cfg, self._collector, step_curve)
+        self._ipc_dir = _ipc_dir()
+        try:
+            with _rpc_base(self._ipc_dir):
+                self._engine = _start_llm_engine(model_dir, cfg, self._collector, step_curve)
+        except BaseException:
+            _remove(self._ipc_dir)
+            raise
         self._proposer = self._find_proposer() if cfg.speculation.enabled and in_process else None
         self._draft_s = 0.0
         self.startup_s = time.perf_counter() - t0
@@ -476,13 +484,54 @@ class VLLMEngine:
             self._engine = None
             self._live.clear()
             if self._weights_dir is not None:
-                import shutil
-
-                shutil.rmtree(self._weights_dir, ignore_errors=True)
+                _remove(self._weights_dir)
                 self._weights_dir = None
+            _remove(self._ipc_dir)  # the sockets of a SIGKILLed core too
+            self._ipc_dir = None
 
 
 CORE_WATCH_S = 0.25  # how often a client checks that its engine core process is alive
+IPC_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes
+
+
+def _ipc_dir() -> str | None:
+    """A directory of its own for the engine's ZMQ sockets, removed by ``close``. vLLM binds them
+    as files named by a UUID in ``VLLM_RPC_BASE_PATH`` (the temporary directory by default) and
+    leaves them there when the engine closes or its core dies (seven per engine on this vLLM); and
+    a socket path longer than 107 bytes cannot be bound at all, which a deep temporary directory
+    (a Ray actor's under a services directory) reaches: then the directory goes under /tmp. None
+    when neither fits."""
+    for base in (tempfile.gettempdir(), "/tmp"):
+        if len(base) + len("/vipc-12345678/") + 36 <= IPC_PATH_MAX and os.access(base, os.W_OK):
+            return tempfile.mkdtemp(prefix="vipc-", dir=base)
+    return None
+
+
+@contextlib.contextmanager
+def _rpc_base(path: str | None) -> Iterator[None]:
+    """``VLLM_RPC_BASE_PATH`` = ``path`` while the engine (and its core process) starts."""
+    if path is None:
+        yield
+        return
+    import vllm.envs as envs
+
+    envs.disable_envs_cache()  # an in-process engine core of this process froze vLLM's env reads
+    saved = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = saved
+
+
+def _remove(path: str | None) -> None:
+    if path is not None:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class _CoreWatch:

@@ -119,6 +119,7 @@ class RolloutService(Service, RolloutAPI):
 
     def _sync_locked(self, state: ControllerState, t0: float) -> EngineSync:
 
+        self._drop_if_dead("sync")
         started = reloaded = False
         if self.engine is not None and self.checkpoint_uri == state.checkpoint_uri:
             # the same weights again (a step re-run after a failed attempt, or a step after one
@@ -145,6 +146,33 @@ class RolloutService(Service, RolloutAPI):
         self.policy_version = state.policy_version
         self._rounds_on_weights = 0
         return EngineSync(started, reloaded, time.perf_counter() - t0, self.policy_version)
+
+    def _drop_if_dead(self, during: str) -> bool:
+        """Close and forget an engine whose core process died, so the next sync starts a fresh
+        one on the committed checkpoint (a dead vLLM engine never serves again)."""
+
+        eng = self.engine
+        if eng is None or not eng.dead:
+            return False
+        log.warning(
+            "rollout service: the engine died (seen during %s); the next sync starts a new one", during
+        )
+        self.engine = None
+        self.checkpoint_uri = ""
+        self._rounds_on_weights = 0
+        try:
+            eng.close()
+        except Exception as e:  # a half-dead engine may fail to close; its processes are gone
+            log.warning("rollout service: closing the dead engine failed: %s", e)
+        return True
+
+    def _engine_or_fail(self, call: str) -> Any:
+        if self.engine is None:
+            raise RollpackerError(
+                f"rollout service: no engine for {call} (its engine died or was closed since the "
+                "last sync); the step's next attempt syncs and starts a new one"
+            )
+        return self.engine
 
     def _start_layouts(self, ecfg: Any) -> Any:
         """The warm engines of every layout of ``planner.devices`` devices, behind a switching
@@ -222,10 +250,18 @@ class RolloutService(Service, RolloutAPI):
         """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
         t0 = time.perf_counter()
         with self._round_lock:
-            if self.engine is None:  # rebuilt since the state was synced: the next sync loads it
+            if self._drop_if_dead("load_weights") or self.engine is None:
+                # rebuilt, or its engine died, since the state was synced: the next sync starts an
+                # engine on the committed checkpoint, which holds these weights
                 log.warning("rollout service: no engine to load weights into; the next step syncs them")
                 return 0.0
-            self.engine.load_weights(weights.items())
+            try:
+                self.engine.load_weights(weights.items())
+            except Exception:
+                if self._drop_if_dead("load_weights"):
+                    log.warning("rollout service: the engine died loading weights; the next step syncs them")
+                    return 0.0
+                raise
             self.policy_version = policy_version
             self.checkpoint_uri = checkpoint_uri
             self._rounds_on_weights = 0  # the engine dropped its prefix cache with the old weights
@@ -301,11 +337,12 @@ class RolloutService(Service, RolloutAPI):
                 if scaler is not None:
                     scaler.observe(completed)
 
+            engine = self._engine_or_fail("the round")
             self._remember_cached(state)
             self._rounds_on_weights += 1
             try:
                 run = run_round(
-                    self.engine,
+                    engine,
                     rnd,
                     policy_version=self.policy_version,
                     on_group=calls.group,
@@ -314,7 +351,11 @@ class RolloutService(Service, RolloutAPI):
                     group_rewards=calls.group_rewards if rnd.needs_rewards else None,
                 )
             except Superseded:
-                self._drain_engine()
+                if not self._drop_if_dead("the round"):
+                    self._drain_engine()
+                raise
+            except BaseException:
+                self._drop_if_dead("the round")
                 raise
             finally:
                 if scaler is not None:  # every replica serves again, however the round ended
@@ -473,8 +514,13 @@ class RolloutService(Service, RolloutAPI):
             prompts = data.train_prompts if v.split == "train" else data.val_prompts
             reqs = sample_requests(prompts, v.samples, sp, f"val/{self.arm}/{attempt}/s{step}")
             t0 = time.perf_counter()
+            engine = self._engine_or_fail("validation")
             self._rounds_on_weights += 1  # its prompts' prefixes are cached too
-            comps = generate(self.engine, reqs)
+            try:
+                comps = generate(engine, reqs)
+            except BaseException:
+                self._drop_if_dead("validation")
+                raise
         tok = _tokenizer(str(self.model_dir))
         by_role: dict[str, list[ScoreItem]] = {}
         for c in comps:
@@ -497,7 +543,7 @@ class RolloutService(Service, RolloutAPI):
 
         pc = self.cfg.planner
         with self._round_lock:
-            eng = self.engine
+            eng = self._engine_or_fail("profiling")
             if isinstance(eng, SwitchingEngine):
                 pool = eng.pool
             else:  # one engine: profile it as the single layout tp x 1
@@ -505,13 +551,17 @@ class RolloutService(Service, RolloutAPI):
                 pool = EnginePool.of({single.layout: single}, eng.cfg)
             spec = ProfileSpec.for_planner(pc, pool.layouts, self.cfg.engine.max_num_seqs, self.cfg.seed)
             data = self.data()
-            doc = profile_and_check(
-                pool,
-                spec,
-                data.val_prompts[: min(64, len(data.val_prompts))],
-                self.cfg.rollout.max_tokens,
-                self.cfg.validation.temperature,
-            )
+            try:
+                doc = profile_and_check(
+                    pool,
+                    spec,
+                    data.val_prompts[: min(64, len(data.val_prompts))],
+                    self.cfg.rollout.max_tokens,
+                    self.cfg.validation.temperature,
+                )
+            except BaseException:
+                self._drop_if_dead("profiling")
+                raise
         uri = self.store().put_json(key, doc)
         return ProfileSummary(
             uri=uri,

@@ -3,7 +3,7 @@
 ``at(point, step)`` does nothing unless ``$ROLLPACKER_STAGE_HOOK`` names a function
 (``module:function``, e.g. ``rollpacker.testing.faults:kill_at``), which is then called with the
 point, the step and a delay. The fault test uses it to SIGKILL a stage's process at each point
-(rollout, reward, judge, train, commit); production runs never set it.
+(plan, rollout, reward, judge, train, commit); production runs never set it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import time
 import uuid
 
 from rollpacker.core.state import ControllerState, TPPlan
+from rollpacker.stages import hooks
 from rollpacker.stages.commit import repair_tracking
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import Clock, StepPlan
@@ -52,6 +53,7 @@ def plan(ctx: StageContext) -> StepPlan:
         return skipped
     rollout = ctx.services.rollout()
     sync = rollout.sync(state)
+    hooks.at("plan", step)  # the engine is synced; its round (or profiling) is about to start
     round_plan = rollout.plan(state, step)
     # no profile yet, or the last step's decode time drifted from its prediction
     margin = ctx.cfg.planner.reprofile_margin

@@ -4,14 +4,17 @@ down for a step; hang a sandbox run.
 
 Enable with ``ROLLPACKER_STAGE_HOOK=rollpacker.testing.faults:kill_at`` and
 ``ROLLPACKER_FAULT=<spec>[,...]``, a spec being ``<point>[:<target>]@<step>`` (``point`` a stage
-hook point: ``rollout``, ``reward``, ``judge``, ``train``, ``commit``):
+hook point: ``plan``, ``rollout``, ``reward``, ``judge``, ``train``, ``commit``):
 
 - no target: SIGKILL of the stage process at that point (after the point's delay);
 - ``RolloutService``, ``RewardService`` (both the reward and the judge service),
   ``TrainerService``, ...: at once, SIGKILL of every Ray actor process of that class
   (``ray::<Class>``);
 - ``EngineCore``: SIGKILL of the vLLM engine core processes inside the rollout service (they are
-  processes of their own only with engine layouts, ``planner.devices >= 1``);
+  processes of their own only with engine layouts, ``planner.devices >= 1``) the next time they
+  are busy (decoding a round or loading weights): a watcher process the hook starts waits for
+  that, as a crash under load would come (the stage goes on; the outcome goes into the spec's
+  mark file as JSON);
 - ``s3-restart``: the S3 server (SeaweedFS) is stopped, kept down ``$ROLLPACKER_FAULT_OUTAGE_S``
   seconds (default 3) and started again on the same ports and data, while the stage goes on;
 - ``mlflow-down``: the MLflow server is stopped, and started again at the first hook point of a
@@ -60,7 +63,9 @@ def kill_at(point: str, step: int, delay_s: float = 0.0) -> None:
             if target in CONTROLLED:
                 _request(mark_dir, spec, target, step)
             elif target == SANDBOX_HANG:
-                _start_hang_watcher(mark_dir, spec)
+                _start_watcher(mark_dir, spec, "_hang_sandbox")
+            elif target == ENGINE_CORE:
+                _start_watcher(mark_dir, spec, "_kill_busy_core")
             else:
                 _kill(target, delay_s)
 
@@ -185,13 +190,14 @@ def _bring_back(mark_dir: str, step: int) -> None:
 # -- a hung sandbox run ----------------------------------------------------------------------------
 
 
-def _start_hang_watcher(mark_dir: str, spec: str) -> None:
-    """``_hang_sandbox`` in a detached process: the stage goes on (the runs of this round may be
-    over already), and the watcher freezes the next sandbox run, this step's or the next's."""
+def _start_watcher(mark_dir: str, spec: str, fn: str) -> None:
+    """``fn(mark_dir, spec)`` of this module in a detached process: the stage goes on (its round
+    may be over already), and the watcher acts on the next sandbox run or busy engine core, this
+    step's or the next's."""
     import subprocess
     import sys
 
-    code = f"from rollpacker.testing.faults import _hang_sandbox; _hang_sandbox({mark_dir!r}, {spec!r})"
+    code = f"from rollpacker.testing.faults import {fn}; {fn}({mark_dir!r}, {spec!r})"
     subprocess.Popen(
         [sys.executable, "-c", code],
         stdin=subprocess.DEVNULL,
@@ -237,6 +243,44 @@ def _hang_sandbox(mark_dir: str, spec: str, wait_s: float = 180.0, limit_s: floa
             pass
         doc["t_gone"] = time.time()
     Path(mark_dir, mark_name(spec)).write_text(json.dumps(doc))
+
+
+def _kill_busy_core(
+    mark_dir: str, spec: str, wait_s: float = 300.0, every_s: float = 0.05, busy: float = 0.5
+) -> None:
+    """SIGKILL the rollout service's vLLM engine cores the first time, within ``wait_s``, that
+    they use more than ``busy`` of a CPU over ``every_s`` (an idle core waits on its socket and
+    uses none); the outcome goes into the spec's mark file as JSON."""
+    import psutil
+
+    t0 = time.monotonic()
+    doc: dict[str, object] = {"spec": spec, "killed": False}
+    last: dict[int, float] = {}
+    root = os.environ.get(SERVICES_ENV, "")
+    while time.monotonic() - t0 < wait_s:
+        if root and not (Path(root) / "pids" / "ray.json").exists():
+            break  # the services were stopped: nothing left to kill
+        now: dict[int, float] = {}
+        for pid in engine_core_pids():
+            try:
+                t = psutil.Process(pid).cpu_times()
+                now[pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        hot = [pid for pid, c in now.items() if pid in last and c - last[pid] > busy * every_s]
+        if hot:
+            for pid in now:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    continue
+            doc.update(killed=True, pids=sorted(now), t_kill=time.time(), waited_s=time.monotonic() - t0)
+            break
+        last = now
+        time.sleep(every_s)
+    tmp = Path(mark_dir, mark_name(spec) + ".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(Path(mark_dir, mark_name(spec)))
 
 
 def _is_nsjail(p: object) -> bool:
