@@ -133,3 +133,19 @@ def test_cast_failures_keep_the_first_cause_and_a_bounded_number_of_attempts() -
     for i in range(CastFailures.MAX_KEPT + 5):
         f.record(f"x{i}", "m")
     assert f.get("a") is None and f.get(f"x{CastFailures.MAX_KEPT + 4}") == "m"
+
+
+def test_service_actors_cap_their_malloc_arenas_unless_told_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """glibc's per-thread malloc arenas grew the trainer actor's RSS by ~48 MB per 100 soak steps;
+    the actors start with MALLOC_ARENA_MAX=2, or the caller's own value."""
+    from rollpacker.core.config import config_from_text
+
+    text = "experiment: arenas\n"
+    reg = ServiceRegistry(RegistrySpec.of(text, config_from_text(text), "sync", "ray"))
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    for role in ("rollout", "reward", "trainer", "tracking"):
+        assert reg._actor_options(role)["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert reg._actor_options("trainer")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "4"
