@@ -76,13 +76,15 @@ soak: setup
 	$(VENV)/bin/rollpacker soak --steps 200
 
 # The chaos suite (docs/operations.md, "Chaos"): sync and tail-batching arms through kfp.local on
-# services of its own, faults of every kind at seeded random steps (stage and service processes
-# SIGKILLed, an S3 restart, MLflow down for a step, a hung sandbox run), recovered by the run's own
-# retries; then the checks against a fault-free run and a table (build/chaos.json).
+# services of its own, faults of every kind at seeded random steps (stage, service and vLLM engine
+# core processes SIGKILLed, an S3 restart, MLflow down for a step, a hung sandbox run), recovered by
+# the run's own retries; then the checks against a fault-free run and a table (build/chaos.json).
+# The rollout runs on an engine layout of one device, so its engine core is a process that can be
+# killed; CHAOS_ARGS=--devices 0 runs the one in-process engine of the default config instead.
 CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: setup
-	$(VENV)/bin/rollpacker chaos --steps 30 --faults 12 --seed 0 --arms sync,tail_batching $(CHAOS_ARGS)
+	$(VENV)/bin/rollpacker chaos --steps 30 --faults 12 --seed 0 --arms sync,tail_batching --devices 1 $(CHAOS_ARGS)
 
 # The KFP pipelines as YAML for the KFP UI/API: build/rl_step.yaml, build/rl_experiment.yaml (the
 # config's `steps` chained). Images: components/images.py, or ROLLPACKER_IMAGE_<NAME>=... make compile.
