@@ -223,3 +223,16 @@ def test_a_core_that_never_works_is_not_killed(tmp_path: Path, monkeypatch: pyte
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_bad_devices_and_an_engine_core_without_layouts_are_refused_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    from rollpacker.bench.chaos import run_chaos
+
+    n = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=rf"--devices {n + 1}: this machine offers {n} CPU devices"):
+        run_chaos(30, 12, 0, tmp_path / "a", devices=n + 1)
+    with pytest.raises(ConfigError, match="--kinds engine-core: .* add --devices 1"):
+        run_chaos(30, 12, 0, tmp_path / "b", kinds=["engine-core"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing started
