@@ -233,6 +233,6 @@ def test_bad_devices_and_an_engine_core_without_layouts_are_refused_before_anyth
     n = len(os.sched_getaffinity(0))
     with pytest.raises(ConfigError, match=rf"--devices {n + 1}: this machine offers {n} CPU devices"):
         run_chaos(30, 12, 0, tmp_path / "a", devices=n + 1)
-    with pytest.raises(ConfigError, match="--kinds engine-core: .* add --devices 1"):
+    with pytest.raises(ConfigError, match=r"--kinds engine-core: .* add --devices 1"):
         run_chaos(30, 12, 0, tmp_path / "b", kinds=["engine-core"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing started
