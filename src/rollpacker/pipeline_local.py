@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import re
 import textwrap
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from rollpacker import logs
+from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import RollpackerError
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -198,16 +198,11 @@ def _task_temp_dir() -> Iterator[None]:
     import shutil
     import tempfile
 
-    saved = os.environ.get("TMPDIR")
     tmp = tempfile.mkdtemp(prefix="kfp-tasks-")
-    os.environ["TMPDIR"] = tmp
     try:
-        yield
+        with environ_set({"TMPDIR": tmp}):
+            yield
     finally:
-        if saved is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved
         shutil.rmtree(tmp, ignore_errors=True)
 
 

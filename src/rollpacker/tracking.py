@@ -26,17 +26,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, TrackingUnavailable
 from rollpacker.core.redact import redact_uri
 
@@ -113,19 +112,9 @@ def _is_http(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
-@contextmanager
-def _env(**values: str) -> Iterator[None]:
+def _env(**values: str) -> AbstractContextManager[None]:
     """Environment variables set while the block runs (MLflow reads them on every call)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environ_set(values)
 
 
 def _fail_fast_http() -> Any:

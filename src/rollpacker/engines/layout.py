@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.core.config import EngineConfig
+from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import EngineError
 from rollpacker.core.latency import (
     Layout,
@@ -109,21 +110,12 @@ def start_replica(cfg: EngineConfig, tp: int, group: Sequence[str], index: int =
     random stream."""
     from rollpacker.engines.vllm_engine import VLLMEngine
 
-    env = _replica_env(group)
-    with _ENV_LOCK:  # the engine's processes inherit the environment at start
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return VLLMEngine(
-                dataclasses.replace(cfg, tensor_parallel_size=tp, seed=cfg.seed + index),
-                in_process=False,
-            )
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    # the engine's processes inherit the environment at start
+    with _ENV_LOCK, environ_set(_replica_env(group)):
+        return VLLMEngine(
+            dataclasses.replace(cfg, tensor_parallel_size=tp, seed=cfg.seed + index),
+            in_process=False,
+        )
 
 
 @dataclass

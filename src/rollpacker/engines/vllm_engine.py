@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollpacker.core.config import EngineConfig
 from rollpacker.core.drafts import StepCurve
+from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import EngineError
 from rollpacker.core.types import (
     EngineStepStats,
@@ -516,15 +517,8 @@ def _rpc_base(path: str | None) -> Iterator[None]:
     import vllm.envs as envs
 
     envs.disable_envs_cache()  # an in-process engine core of this process froze vLLM's env reads
-    saved = os.environ.get("VLLM_RPC_BASE_PATH")
-    os.environ["VLLM_RPC_BASE_PATH"] = path
-    try:
+    with environ_set({"VLLM_RPC_BASE_PATH": path}):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_RPC_BASE_PATH", None)
-        else:
-            os.environ["VLLM_RPC_BASE_PATH"] = saved
 
 
 def _remove(path: str | None) -> None:
