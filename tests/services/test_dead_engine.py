@@ -17,10 +17,10 @@ import pytest
 
 from rollpacker.core.errors import EngineError, RollpackerError
 from rollpacker.core.latency import Layout
-from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.engines.fake import FakeEngine
 from rollpacker.engines.layout import EnginePool, LayoutEngine, SwitchingEngine
 from tests.services.fakes import RoundPeers
+from tests.services.test_scaledown_runtime import start_state
 
 DP2 = Layout(1, 2)
 
@@ -64,22 +64,6 @@ def _engine(die_at: int = 0) -> tuple[SwitchingEngine, list[_Replica]]:
     return SwitchingEngine(pool, None, DP2, enabled=False), reps
 
 
-def _state(uri: str) -> ControllerState:
-    return ControllerState(
-        experiment="dead-test",
-        arm="tail_batching",
-        step=-1,
-        cursor_seed=0,
-        cursor_epoch=0,
-        cursor_position=0,
-        checkpoint_uri=uri,
-        policy_version=0,
-        tp_plan=TPPlan(1, 1),
-        seed=0,
-        mlflow_run_id="run",
-    )
-
-
 @pytest.fixture
 def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A rollout service serving ``file:///ckpt-0`` on fake replicas whose second replica dies at
@@ -108,15 +92,15 @@ def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_a_round_whose_engine_dies_fails_and_the_next_sync_starts_a_new_engine(service: Any) -> None:
     svc = service
     with pytest.raises(EngineError, match="SIGKILL planted by the test"):
-        svc.run_round(_state("file:///ckpt-0"), 0, "att1")
+        svc.run_round(start_state("dead-test", "tail_batching", "file:///ckpt-0"), 0, "att1")
     assert svc.engine is None and svc.checkpoint_uri == "", "the dead engine is forgotten"
     assert all(r.closed for r in svc.replicas), "and closed"
     with pytest.raises(RollpackerError, match="no engine for the round"):  # not an AttributeError
-        svc.run_round(_state("file:///ckpt-0"), 0, "att2")
+        svc.run_round(start_state("dead-test", "tail_batching", "file:///ckpt-0"), 0, "att2")
     # the step's retry: the same committed checkpoint, yet a new engine starts (not a no-op sync)
-    sync = svc.sync(_state("file:///ckpt-0"))
+    sync = svc.sync(start_state("dead-test", "tail_batching", "file:///ckpt-0"))
     assert sync.started and len(svc.started) == 1 and svc.engine is svc.started[0]
-    report = svc.run_round(_state("file:///ckpt-0"), 0, "att3")
+    report = svc.run_round(start_state("dead-test", "tail_batching", "file:///ckpt-0"), 0, "att3")
     assert len(report.trained) == 4
 
 
@@ -124,7 +108,7 @@ def test_a_sync_on_the_same_checkpoint_replaces_an_engine_that_died_between_step
     svc = service
     svc.replicas[0].kill("died while idle")
     assert svc.engine.dead
-    sync = svc.sync(_state("file:///ckpt-0"))
+    sync = svc.sync(start_state("dead-test", "tail_batching", "file:///ckpt-0"))
     assert sync.started and svc.engine is svc.started[0] and not svc.engine.dead
     assert all(r.closed for r in svc.replicas)
 
@@ -132,7 +116,7 @@ def test_a_sync_on_the_same_checkpoint_replaces_an_engine_that_died_between_step
 def test_a_healthy_engine_is_kept_across_syncs_of_the_same_checkpoint(service: Any) -> None:
     svc = service
     eng = svc.engine
-    sync = svc.sync(_state("file:///ckpt-0"))
+    sync = svc.sync(start_state("dead-test", "tail_batching", "file:///ckpt-0"))
     assert not sync.started and svc.engine is eng and not svc.started
 
 
@@ -141,7 +125,7 @@ def test_weights_pushed_to_a_dead_engine_are_left_to_the_next_sync(service: Any)
     svc.replicas[1].kill("died before the push")
     assert svc.load_weights(1, "file:///ckpt-1", {"w": [1.0]}) == 0.0
     assert svc.engine is None and svc.checkpoint_uri == "" and svc.policy_version == 0
-    sync = svc.sync(_state("file:///ckpt-1"))
+    sync = svc.sync(start_state("dead-test", "tail_batching", "file:///ckpt-1"))
     assert sync.started and svc.checkpoint_uri == "file:///ckpt-1"
 
 
