@@ -25,13 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rollpacker import devservices
+from rollpacker.core.accounting import PromptAccount, StepPrompts, account_prompts
 from rollpacker.core.config import (
     ExperimentConfig,
     RolloutConfig,
@@ -218,24 +218,6 @@ def reset_arms(cfg: ExperimentConfig, arms: Sequence[str], say: Callable[[str], 
 
 # -- one arm in this process: `rollpacker train`, `bench learning` --------------------------------
 @dataclass(frozen=True)
-class ExactlyOnce:
-    """From an arm's groups logs and final state: no prompt trained more often than the dataset
-    cursor has passed over it (once, within one epoch), none lost."""
-
-    prompts_trained: int  # distinct prompts
-    trained_twice: tuple[str, ...]  # trained more times than the epochs the cursor began
-    deferred_total: int
-    deferred_lost: tuple[str, ...]  # deferred, never trained, and neither queued nor buffered
-    waiting: int  # deferred prompts still in the long-prompt queue or the rollout buffer
-    epochs: int = 1  # epochs of the dataset the cursor began
-    dropped: int = 0  # prompts whose group dynamic sampling dropped (no reward variance): final
-
-    @property
-    def ok(self) -> bool:
-        return not self.trained_twice and not self.deferred_lost
-
-
-@dataclass(frozen=True)
 class TrainSummary:
     arm: str
     run_id: str
@@ -246,7 +228,7 @@ class TrainSummary:
     wall_s: float
     store_uri: str
     tracking_uri: str
-    exactly_once: ExactlyOnce
+    exactly_once: PromptAccount
     step_metrics: tuple[dict[str, float], ...] = field(default_factory=tuple)  # MLflow, step 1..N
 
 
@@ -397,29 +379,16 @@ def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: f
     )
 
 
-def exactly_once(states: StateStore) -> ExactlyOnce:
-    """Every prompt trained at most once, and every deferred prompt trained later, still waiting
-    (long-prompt queue or rollout buffer) in the last committed state, or dropped by dynamic
-    sampling when its turn came (a group without reward variance is neither trained nor queued)."""
+def exactly_once(states: StateStore) -> PromptAccount:
+    """The arm's exactly-once account (``core.accounting``) from its groups logs and last committed
+    state: each prompt trained, dropped by dynamic sampling or still waiting, exactly one of them."""
     last = states.latest()
     if last is None:
-        return ExactlyOnce(0, (), 0, (), 0)
-    trained: Counter[str] = Counter()
-    deferred: set[str] = set()
-    dropped: set[str] = set()
-    for step in range(last.step + 1):
-        log = GroupsLog.from_json(states.get_blob(step, "groups.json").decode())
-        trained.update(log.trained)
-        deferred.update(log.deferred)
-        dropped.update(log.dropped)
-    waiting = set(last.long_queue) | {e.prompt_id for e in last.partial_cache}
-    epochs = last.cursor_epoch + 1
-    return ExactlyOnce(
-        prompts_trained=len(trained),
-        trained_twice=tuple(sorted(p for p, n in trained.items() if n > epochs)),
-        deferred_total=len(deferred),
-        deferred_lost=tuple(sorted(deferred - set(trained) - waiting - dropped)),
-        waiting=len(deferred & waiting),
-        epochs=epochs,
-        dropped=len(dropped),
+        return PromptAccount(0, (), 0, (), 0)
+    logs = (GroupsLog.from_json(states.get_blob(k, "groups.json").decode()) for k in range(last.step + 1))
+    return account_prompts(
+        (StepPrompts(g.trained, g.deferred, g.dropped) for g in logs),
+        queued=last.long_queue,
+        buffered=(e.prompt_id for e in last.partial_cache),
+        epochs=last.cursor_epoch + 1,
     )

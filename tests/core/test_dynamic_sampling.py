@@ -9,13 +9,13 @@ still have equal rewards). Only mixed groups can carry signal.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollpacker.bench.replay import replay_sampling
+from rollpacker.core.accounting import PromptAccount, StepPrompts, account_prompts
 from rollpacker.core.advantages import has_signal
 from rollpacker.core.config import DynamicSamplingConfig, ExperimentConfig, RolloutConfig
 from rollpacker.core.errors import ConfigError, PolicyError
@@ -91,21 +91,57 @@ def test_invariant_every_update_holds_p0_groups_with_signal(cfg, lens, kinds) ->
         assert all(has_signal(reward(g)) for g in res.groups), "a group without reward variance was kept"
 
 
+def _account(pol: TailBatchingPolicy, runs) -> PromptAccount:  # type: ignore[no-untyped-def]
+    """The chain's exactly-once account (core.accounting), as experiment.exactly_once builds it."""
+    return account_prompts(_steps(runs), queued=[p.prompt_id for p in pol.queue.snapshot()])
+
+
 @settings(max_examples=50, deadline=None)
 @given(cfg=configs, lens=lens_strategy, kinds=kinds_strategy)
 def test_invariant_exactly_once_with_dropped_groups(cfg, lens, kinds) -> None:
     pol, runs, prompts = _run(_cfg(cfg), lens, kinds, steps=60)
-    trained = Counter(g.prompt.prompt_id for res, _ in runs for g in res.groups)
-    dropped = Counter(p.prompt_id for res, _ in runs for p in res.filtered)
-    queued = [p.prompt_id for p in pol.queue.snapshot()]
-    assert all(n == 1 for n in trained.values()), "a prompt was trained twice"
-    assert all(n == 1 for n in dropped.values()), "a prompt was dropped twice"
-    assert not set(trained) & set(dropped), "a dropped prompt was trained"
-    assert not set(queued) & (set(trained) | set(dropped)), "a trained or dropped prompt is still queued"
+    account = _account(pol, runs)
+    assert account.problems() == []
     # every prompt the cursor handed out is trained, dropped or waiting in the queue: nothing lost
+    trained = {g.prompt.prompt_id for res, _ in runs for g in res.groups}
+    dropped = {p.prompt_id for res, _ in runs for p in res.filtered}
+    queued = {p.prompt_id for p in pol.queue.snapshot()}
     drawn = pol.cursor.state.position
-    assert {p.prompt_id for p in prompts[:drawn]} == set(trained) | set(dropped) | set(queued)
-    assert len(trained) + len(dropped) + len(queued) == drawn
+    assert {p.prompt_id for p in prompts[:drawn]} == trained | dropped | queued
+    assert account.prompts_trained + account.dropped + len(queued) == drawn
+
+
+def test_a_deferred_prompt_without_variance_in_its_long_round_is_dropped_not_lost() -> None:
+    """The schedule the end-to-end run hit (tests/experiment/test_dynamic_sampling_run.py): the
+    short round defers p001 (its responses are the longest), the queue fills, and the long round
+    runs it to a group without reward variance; dynamic sampling drops it and draws p002. p001 is
+    then neither trained nor queued, and is not lost: dropped is its outcome. An invariant that
+    forgets drops (deferred <= trained | final queue, the run's old check) fails on this chain."""
+    cfg = _cfg(RolloutConfig(prompts_per_step=1, responses_per_prompt=2, eta_p=2.0, eta_r=1.0))
+    lens = [[4] * 12, [50] * 12, *([[6] * 12] * 10)]
+    pol, runs, _ = _run(cfg, lens, [MIXED, NEVER, MIXED], steps=2)
+    (short, _), (long, _) = runs
+    assert [p.prompt_id for p in short.deferred] == ["p001"] and short.plan.round_kind is RoundKind.SHORT
+    assert long.plan.round_kind is RoundKind.LONG and [p.prompt_id for p in long.filtered] == ["p001"]
+    assert [p.prompt_id for p in long.extra_prompts] == ["p002"] == [g.prompt.prompt_id for g in long.groups]
+    account = _account(pol, runs)
+    assert account.problems() == [] and account.dropped == 1 and account.deferred_lost == ()
+    trained = {g.prompt.prompt_id for res, _ in runs for g in res.groups}
+    assert not {"p001"} <= trained | {p.prompt_id for p in pol.queue.snapshot()}, "the old check holds here"
+    # forget the drop, and the same account names p001 lost
+    forgot = [StepPrompts(s.trained, s.deferred) for s in _steps(runs)]
+    assert account_prompts(forgot, queued=()).deferred_lost == ("p001",)
+
+
+def _steps(runs) -> list[StepPrompts]:  # type: ignore[no-untyped-def]
+    return [
+        StepPrompts(
+            tuple(g.prompt.prompt_id for g in res.groups),
+            tuple(p.prompt_id for p in res.deferred),
+            tuple(p.prompt_id for p in res.filtered),
+        )
+        for res, _ in runs
+    ]
 
 
 @settings(max_examples=50, deadline=None)
