@@ -63,7 +63,11 @@ def test_a_weakened_jail_is_caught(monkeypatch: pytest.MonkeyPatch, kill_tagged:
 
     monkeypatch.setattr(sandbox_load, "_Bait", bait)
     leaky = _LeakyJail(SandboxLimits(wall_s=10.0))
-    report = run_sandbox_load(runs=6, concurrency=3, hostile_share=0.5, sandbox=leaky)
+    # one run at a time: jails without PID namespaces of their own interfere. Three at once, the
+    # network and environment runs ended "without a report" beside the daemon run that was killed
+    # (1 test in 8, 4 loads in 40), their attacks then not passing, and the network run's
+    # connection was charged to whichever hostile run's check read the listener first
+    report = run_sandbox_load(runs=6, concurrency=1, hostile_share=0.5, sandbox=leaky)
     why = {k: v["why"] for k, v in report["by_attack"].items()}
     assert report["by_attack"]["network"]["escapes"] == 1, why
     assert report["by_attack"]["environment"]["escapes"] == 1, why
