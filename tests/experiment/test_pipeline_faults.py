@@ -1,6 +1,7 @@
 """The RL-step pipeline survives a SIGKILL of the process running a stage, at each of rollout,
-reward, training and commit, through kfp.local with the services in a real Ray cluster, the state
-in a real S3 server (SeaweedFS) and the metrics in a real MLflow server.
+reward, training and commit, and of each service's Ray actor while a stage waits on it, all in one
+run through kfp.local with the services in a real Ray cluster, the state in a real S3 server
+(SeaweedFS) and the metrics in a real MLflow server.
 
 Which prompts tail batching defers is timing-dependent, so the run is checked against invariants
 (from the committed states and the logged groups), never against a second run:
@@ -26,8 +27,13 @@ from rollpacker.testing.faults import SERVICES_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-FAULTS = ("rollout@1", "reward@2", "train@3", "commit@4")
-STEPS = 6
+# the process running a stage SIGKILLed, at each of rollout, reward, training and commit; then a
+# service's Ray actor process killed while a stage waits on it: the rollout service mid-round, the
+# reward services as the stage drains them, the trainer mid-round (its stream of gradients)
+STAGE_FAULTS = ("rollout@1", "reward@2", "train@3", "commit@4")
+SERVICE_FAULTS = ("rollout:RolloutService@5", "reward:RewardService@6", "rollout:TrainerService@7")
+FAULTS = (*STAGE_FAULTS, *SERVICE_FAULTS)
+STEPS = 9
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +53,12 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.S
         devservices.down(root, grace_s=3.0)
 
 
-def _config(svc: devservices.Services, tmp: Path, experiment: str = "faults", steps: int = STEPS) -> Path:
-    cfg = tmp / f"{experiment}.yaml"
+def _config(svc: devservices.Services, tmp: Path) -> Path:
+    cfg = tmp / "faults.yaml"
     cfg.write_text(
         f"""
-experiment: {experiment}
-steps: {steps}
+experiment: faults
+steps: {STEPS}
 arms: [tail_batching]
 tracking_uri: {svc.tracking_uri}
 store: {{endpoint: "{svc.s3_endpoint}", bucket: {svc.bucket}}}
@@ -68,10 +74,19 @@ validation: {{every: 100, max_tokens: 64}}
     return cfg
 
 
-def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
+def test_sigkills_of_stages_and_services_are_recovered_within_the_run_and_every_invariant_holds(
     services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One run, a fault at each of steps 1..7: each costs exactly one re-run inside the same run
+    (no second command). A killed service fails its step within seconds with the service named;
+    the run's retries rebuild it from the committed state, and live services find the rebuilt peer
+    (no handle to the dead one survives an attempt). Then the chain's invariants, MLflow holding
+    each step once (the commit fault's step included), and a resume with fresh services."""
+    import time
+
     from rollpacker.experiment import run_experiment
+    from rollpacker.stages.hooks import HOOK_ENV
+    from rollpacker.testing.faults import HOOK, mark_name
     from rollpacker.tracking import ExperimentTracker
 
     for k, v in services.env().items():
@@ -79,29 +94,46 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     monkeypatch.setenv(SERVICES_ENV, str(services.root))  # kill only this Ray cluster's actors
     marks = tmp_path / "marks"
     marks.mkdir()
-    from rollpacker.stages.hooks import HOOK_ENV
-    from rollpacker.testing.faults import HOOK
-
     monkeypatch.setenv(HOOK_ENV, HOOK)
     monkeypatch.setenv("ROLLPACKER_FAULT", ",".join(FAULTS))
     monkeypatch.setenv("ROLLPACKER_FAULT_MARK", str(marks))
     cfg_path = _config(services, tmp_path)
     lines: list[str] = []
+    stamped: list[tuple[float, str]] = []
+
+    def echo(line: str) -> None:
+        lines.append(line)
+        stamped.append((time.time(), line))
+
     out = run_experiment(
         cfg_path,
         runner="kfp",
-        retries=len(FAULTS),
+        retries=len(FAULTS) + len(SERVICE_FAULTS),  # room to spare: each fault should cost one re-run
         pipeline_root=tmp_path / "kfp",
         start_services=False,
-        echo=lines.append,
+        echo=echo,
     )
 
     # every fault fired once, and each one failed a pipeline run that was then re-run
     fired = sorted(p.name for p in marks.iterdir())
-    assert fired == sorted(f.replace("@", "-at-") for f in FAULTS), lines
+    assert fired == sorted(mark_name(f) for f in FAULTS), lines
     (arm,) = out.arms
-    assert arm.failures == len(FAULTS)
-    assert arm.committed_step == STEPS - 1
+    assert arm.committed_step == STEPS - 1, lines
+    assert arm.failures == len(FAULTS), lines  # one failed attempt per fault, no more
+    failed = [t for t, line in stamped if "a step failed" in line]
+    assert len(failed) == len(FAULTS), lines
+    logs = sorted((tmp_path / "kfp" / "logs").glob("*.log"))
+    assert len(logs) == len(FAULTS) + 1, logs  # one pipeline run per failure, then the last
+    # each service kill failed its step within seconds (the mark file was written as it fired), and
+    # the failed pipeline run's log names the death (or says the service it waited on was rebuilt)
+    by_step = sorted(FAULTS, key=lambda f: int(f.rsplit("@")[1]))
+    for f, noticed, log in zip(by_step, failed, logs[:-1], strict=True):
+        if f not in SERVICE_FAULTS:
+            continue
+        text = log.read_text(errors="replace")
+        assert "died" in text or "rebuilt since" in text, f"{f}: {log} names no dead or rebuilt service"
+        fired_at = (marks / mark_name(f)).stat().st_mtime
+        assert 0 <= noticed - fired_at < 30, f"{f}: noticed {noticed - fired_at:.1f} s after the kill"
 
     cfg, store, states, chain = _check_chain(cfg_path, STEPS)
 
@@ -132,66 +164,3 @@ def test_sigkill_at_each_stage_then_rerun_keeps_every_invariant(
     assert last is not None and last.step == STEPS and last.policy_version == STEPS + 1
     assert last.mlflow_run_id == run_id
     assert [s for s, _ in tracker.metric_history(run_id, "train/loss")] == list(range(1, STEPS + 2))
-
-
-# a service's Ray actor process killed while a stage waits on it: the rollout service mid-round,
-# the reward services as the stage drains them, the trainer mid-round (its stream of gradients)
-SERVICE_FAULTS = ("rollout:RolloutService@1", "reward:RewardService@2", "rollout:TrainerService@3")
-SERVICE_STEPS = 5
-
-
-def test_a_killed_service_is_noticed_at_once_and_the_run_recovers_by_itself(
-    services: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Each kill fails its step within seconds with the service named; the run's own retries
-    rebuild the service from the committed state (no second command); live services find the
-    rebuilt peer (no handle to the dead one survives an attempt), and the chain's invariants hold."""
-    import time
-
-    from rollpacker.experiment import run_experiment
-    from rollpacker.stages.hooks import HOOK_ENV
-    from rollpacker.testing.faults import HOOK, mark_name
-
-    for k, v in services.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv(SERVICES_ENV, str(services.root))  # kill only this Ray cluster's actors
-    marks = tmp_path / "marks"
-    marks.mkdir()
-    monkeypatch.setenv(HOOK_ENV, HOOK)
-    monkeypatch.setenv("ROLLPACKER_FAULT", ",".join(SERVICE_FAULTS))
-    monkeypatch.setenv("ROLLPACKER_FAULT_MARK", str(marks))
-    cfg_path = _config(services, tmp_path, experiment="faults-svc", steps=SERVICE_STEPS)
-    lines: list[str] = []
-    stamped: list[tuple[float, str]] = []
-
-    def echo(line: str) -> None:
-        lines.append(line)
-        stamped.append((time.time(), line))
-
-    out = run_experiment(
-        cfg_path,
-        runner="kfp",
-        retries=2 * len(SERVICE_FAULTS),  # room to spare: each kill should cost one re-run
-        pipeline_root=tmp_path / "kfp",
-        start_services=False,
-        echo=echo,
-    )
-    fired = sorted(p.name for p in marks.iterdir())
-    assert fired == sorted(mark_name(f) for f in SERVICE_FAULTS), lines
-    (arm,) = out.arms
-    assert arm.committed_step == SERVICE_STEPS - 1, lines
-    assert arm.failures == len(SERVICE_FAULTS), lines  # one failed attempt per kill, no more
-    # each kill failed its step within seconds (the mark file was written as it fired), and the failed
-    # pipeline run's log names the death (or says the service it waited on was rebuilt since)
-    failed = [t for t, line in stamped if "a step failed" in line]
-    assert len(failed) == len(SERVICE_FAULTS), lines
-    logs = sorted((tmp_path / "kfp" / "logs").glob("*.log"))
-    assert len(logs) == len(SERVICE_FAULTS) + 1, logs  # one pipeline run per failure, then the last
-    for f, noticed, log in zip(
-        sorted(SERVICE_FAULTS, key=lambda f: f.rsplit("@")[1]), failed, logs, strict=False
-    ):
-        text = log.read_text(errors="replace")
-        assert "died" in text or "rebuilt since" in text, f"{f}: {log} names no dead or rebuilt service"
-        fired_at = (marks / mark_name(f)).stat().st_mtime
-        assert 0 <= noticed - fired_at < 30, f"{f}: noticed {noticed - fired_at:.1f} s after the kill"
-    _check_chain(cfg_path, SERVICE_STEPS)
