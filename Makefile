@@ -38,9 +38,13 @@ unit: setup
 slow: setup
 	$(VENV)/bin/pytest -q -m "slow and not gpu"
 
+# The gate (.ci/run): everything but the GPU tests, the slow ones included. The 30 slowest tests are
+# listed after every run, and a run over TEST_BUDGET_S fails naming them (tests/budget.py).
+TEST_BUDGET_S ?= 1800
+PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
-	$(VENV)/bin/pytest -q -m "not gpu"
+	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) $(VENV)/bin/pytest -q -m "not gpu" --durations=30 $(PYTEST_ARGS)
 
 # The main job: the embedded default experiment (configs/experiment.yaml: tiny model, mixed tasks,
 # sync and tail_batching arms), each RL step a kfp.local pipeline run, the engines in Ray, state in

@@ -7,6 +7,8 @@ import pytest
 from rollpacker.core.trace import TraceRecord, to_prompts
 from rollpacker.core.types import Prompt
 
+pytest_plugins = ["tests.budget"]  # the suite's time budget under `make test`
+
 
 def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:
     recs = [

@@ -1,0 +1,62 @@
+"""The suite's time budget (tests/budget.py): a run over ``ROLLPACKER_TEST_BUDGET_S`` fails after
+its last test and names the slowest tests; within it, or without the variable, nothing changes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.budget import BUDGET_ENV, Budget, budget_from_env
+
+pytest_plugins = ["pytester"]
+ROOT = Path(__file__).resolve().parents[1]  # where the inner run imports tests.budget from
+
+SLOW_AND_FAST = """
+import time
+
+def test_slow():
+    time.sleep(0.3)
+
+def test_fast():
+    pass
+"""
+
+
+def _run(pytester: pytest.Pytester, budget: str | None) -> pytest.RunResult:
+    pytester.makeconftest('pytest_plugins = ["tests.budget"]\n')
+    path = os.environ.get("PYTHONPATH", "")
+    pytester._monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), path))))
+    pytester.makepyfile(test_it=SLOW_AND_FAST)
+    if budget is None:
+        pytester._monkeypatch.delenv(BUDGET_ENV, raising=False)
+    else:
+        pytester._monkeypatch.setenv(BUDGET_ENV, budget)
+    return pytester.runpytest_subprocess("-q")
+
+
+def test_a_run_over_its_budget_fails_naming_the_slowest_test(pytester: pytest.Pytester) -> None:
+    result = _run(pytester, "0.1")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["*over the time budget*", "*over its budget of 0.0 min*", "*s  test_it.py::test_slow"]
+    )
+    out = result.stdout.str()
+    assert out.index("test_it.py::test_slow") < out.index("test_it.py::test_fast")  # slowest first
+    assert "2 passed" in out
+
+
+@pytest.mark.parametrize("budget", ["600", None])
+def test_a_run_within_its_budget_or_without_one_passes(pytester: pytest.Pytester, budget: str | None) -> None:
+    result = _run(pytester, budget)
+    assert result.ret == pytest.ExitCode.OK
+    assert "over the time budget" not in result.stdout.str()
+
+
+def test_a_bad_budget_is_refused_by_name() -> None:
+    assert budget_from_env({}) is None
+    assert isinstance(budget_from_env({BUDGET_ENV: "1800"}), Budget)
+    for bad in ("soon", "-5", "0"):
+        with pytest.raises(pytest.UsageError, match=BUDGET_ENV):
+            budget_from_env({BUDGET_ENV: bad})
