@@ -1,6 +1,10 @@
-"""Shared fixtures: small traces and prompt helpers."""
+"""Shared fixtures: small traces and prompt helpers; the session's checkpoint downloads removed at
+its end."""
 
 from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
 
 import pytest
 
@@ -16,6 +20,22 @@ def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:
         for i, ls in enumerate(lens)
     ]
     return to_prompts(recs, vocab_size=259)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_downloads_removed() -> Iterator[None]:
+    """The services keep the checkpoints they download in ``$ROLLPACKER_CACHE/checkpoints`` (for a
+    user's next run); the suite's end-to-end runs put ~1 GB there each time (measured: 47 entries,
+    1.0 GB after two runs), which would fill a machine's disk run by run. What this session added is
+    removed at its end; the warmed-up models beside them stay cached."""
+    from rollpacker.services.base import checkpoint_cache
+
+    root = checkpoint_cache()
+    before = set(root.iterdir()) if root.is_dir() else set()
+    yield
+    if root.is_dir():
+        for path in set(root.iterdir()) - before:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
