@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.budget import BUDGET_ENV, Budget, budget_from_env
+from tests.budget import BUDGET_ENV, MAX_STRETCH, REFERENCE_S, Budget, budget_from_env, probe, stretch
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]  # where the inner run imports tests.budget from
@@ -60,3 +60,24 @@ def test_a_bad_budget_is_refused_by_name() -> None:
     for bad in ("soon", "-5", "0"):
         with pytest.raises(pytest.UsageError, match=BUDGET_ENV):
             budget_from_env({BUDGET_ENV: bad})
+
+
+def test_a_slower_machine_gets_proportionally_more_time_and_a_faster_one_no_less() -> None:
+    ref = Budget(1800, probe_s=REFERENCE_S)
+    assert ref.verdict(1799) is None
+    message = ref.verdict(1801)
+    assert message is not None and "over its budget of 30.0 min" in message and "x1.00" in message
+    slow = Budget(1800, probe_s=1.4 * REFERENCE_S)  # 42 min for a tree that takes 30 here
+    assert slow.verdict(2510) is None and slow.verdict(2530) is not None
+    assert Budget(1800, probe_s=0.5 * REFERENCE_S).verdict(1801) is not None  # never shrunk
+    assert Budget(1800, probe_s=10 * REFERENCE_S).verdict(1800 * MAX_STRETCH + 1) is not None
+    # a machine that slowed down during the run: the probe at the end counts
+    assert ref.verdict(2510, probe_s=1.4 * REFERENCE_S) is None
+
+
+def test_the_probe_is_a_stable_measure() -> None:
+    """Best of 3 runs of a fixed workload: two probes on one machine agree within a factor 2 (it
+    stretches the budget; noise in it would turn the budget into a coin)."""
+    a, b = probe(), probe()
+    assert a > 0 and 0.5 < a / b < 2.0
+    assert stretch(a) >= 1.0
