@@ -162,8 +162,10 @@ def test_vllm_cpu_verification_of_sampled_drafts_is_biased(
 
 
 def test_the_check_rejects_a_lower_temperature(plain: Any, prompts: list[Prompt]) -> None:
-    """Power on a planted bias: temperature 0.9 against 1.0, both without speculation."""
-    cold = _sample(plain, 0.9, prompts)
+    """Power on a planted bias: temperature 0.8 against 1.0, both without speculation (0.9 went
+    undetected once in 4 suite runs at alpha 1e-3: the engine's one random stream varies with what
+    the module ran before)."""
+    cold = _sample(plain, 0.8, prompts)
     warm = _sample(plain, 1.0, prompts)
     report = _compare(cold, warm)
     assert not report.same, report.p_values
