@@ -175,6 +175,43 @@ def test_a_serving_engine_is_not_dead(engine) -> None:
     assert engine.dead is False
 
 
+def test_a_new_thread_may_step_the_engine_after_torch_threads_were_lowered_elsewhere(engine) -> None:
+    """The rollout driver, the stream trainer and the judge run in threads of one process: the
+    engine serves a thread that calls it for the first time after another thread lowered torch's
+    process-wide thread count (vLLM's CPU attention checks that its metadata and its kernel saw
+    the same OpenMP team size: "thread_num == thread_num (2 vs. 1)" without the engine's fix)."""
+    import os
+    import threading
+
+    torch = pytest.importorskip("torch")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs 2 cores: a lower thread count can only be planted below OpenMP's default")
+
+    def in_thread(fn, *args):
+        out = {}
+
+        def run():
+            try:
+                out["value"] = fn(*args)
+            except BaseException as e:  # surfaced below, in the test's thread
+                out["error"] = e
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out
+
+    before = in_thread(torch.get_num_threads)["value"]
+    in_thread(torch._C.set_num_threads, 1)  # what the stream trainer's gradient worker does
+    try:
+        out = in_thread(_drain, engine, [_req(8) for _ in range(4)])
+    finally:
+        in_thread(torch._C.set_num_threads, before)
+    assert "error" not in out, out.get("error")
+    toks = out["value"][0]
+    assert all(len(t) == 8 for t in toks.values())
+
+
 def test_the_fake_engine_core_dies_as_vllms_does() -> None:
     """What tests/engines/test_engine_core_death.py asks of a SIGKILLed vLLM engine core."""
     eng = FakeEngine(concurrency=CONCURRENCY)

@@ -193,6 +193,39 @@ def _start_llm_engine(
         ) from e
 
 
+class _OmpThreads:
+    """The OpenMP team size of an in-process engine core, given to every thread that calls it.
+
+    vLLM's CPU attention sizes its scheduler metadata by the calling thread's
+    ``omp_get_max_threads()`` and checks the same value in the kernel (``cpu_attn_impl.hpp``:
+    "Check failed: input->metadata->thread_num == thread_num (2 vs. 1)"). A thread that has run no
+    ATen parallel op yet reads OpenMP's default (every core) when the metadata is built, then
+    adopts torch's process-wide thread count at its first parallel op, inside the forward pass:
+    so a new thread stepping the engine after anything lowered that count (the stream trainer's
+    gradient worker, a judge warm-up) fails its first step. Each calling thread is set to the
+    count the engine started with, once, before it calls vLLM. ``torch._C.set_num_threads`` is
+    the builtin: vLLM replaces ``torch.set_num_threads`` with a no-op once a CPU worker starts."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._local = threading.local()
+        self._local.done = True  # the starting thread already has the engine's team size
+
+    @classmethod
+    def capture(cls) -> _OmpThreads:
+        import torch
+
+        return cls(max(1, torch.get_num_threads()))
+
+    def enter(self) -> None:
+        if getattr(self._local, "done", False):
+            return
+        import torch
+
+        torch._C.set_num_threads(self.threads)
+        self._local.done = True
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` behind the rollout engine port."""
 
@@ -213,6 +246,7 @@ class VLLMEngine:
         except BaseException:
             _remove(self._ipc_dir)
             raise
+        self._omp = _OmpThreads.capture() if in_process else None
         self._proposer = self._find_proposer() if cfg.speculation.enabled and in_process else None
         self._draft_s = 0.0
         self.startup_s = time.perf_counter() - t0
@@ -290,6 +324,8 @@ class VLLMEngine:
     def _core(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Call the vLLM engine; a dead engine core surfaces as the ``EngineError`` naming it."""
         self._raise_if_dead()
+        if self._omp is not None:
+            self._omp.enter()
         try:
             return fn(*args, **kwargs)
         except Exception as e:
