@@ -11,6 +11,11 @@ tests). A proxy method that the Protocol documents as fire-and-forget does not w
 A service is bound to the config text it was built from: when a stage brings a different config
 (an edited YAML on resume), the actor is killed and rebuilt rather than silently reused.
 
+Each actor asks Ray for the GPUs its service uses (core/placement.py: the rollout engines, a CUDA
+judge or torch trainer), so Ray gives it GPUs of its own. Before an arm's first actor starts, its
+GPUs are checked against Ray's alive nodes; with ``services.arms: sequential`` the services of an
+arm that has committed all its steps are stopped then, and an unfinished arm's refuse the next.
+
 Invariants:
 - one live actor per (experiment, arm, role) in a namespace;
 - a service built from another config is never handed out;
