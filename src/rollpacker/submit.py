@@ -168,6 +168,12 @@ def submit(
     steps = cfg.steps if steps is None else steps
     arms = _check_arms(arms or cfg.arm_names, cfg.arm_names, config)
     check_placement(cfg, arms, log)
+    if cfg.services.arms is ArmSchedule.SEQUENTIAL and len(arms) > 1 and steps < cfg.steps:
+        raise SubmitError(
+            f"--steps {steps} with services.arms: sequential: arm {arms[1]}'s services start only once "
+            f"arm {arms[0]} has committed all steps = {cfg.steps}, so its run would be refused; pass "
+            f"--set steps={steps} to make {steps} the experiment's length, or submit one arm (--arm)"
+        )
     experiment = experiment or cfg.experiment
     probe_api(host, token)
     package = _compile(out_dir, steps, log)

@@ -21,7 +21,7 @@ from tests.deploy.fake_kfp import API, FakeKFP
 from tests.pipelines.spec import parse_strict
 
 CONFIG = """experiment: deploy-test
-steps: 5
+steps: 2
 arms: [sync, tail_batching]
 store:
   endpoint: minio:9000
@@ -170,15 +170,15 @@ def test_server_errors_are_reported_with_the_servers_answer(
     fake, url = kfp_server
     fake.fail["/pipelines/upload"] = (500, "disk full")
     with pytest.raises(SubmitError, match=r"failed \(500\).*disk full"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     assert not fake.runs
     fake.fail = {"/healthz": (404, "not found")}
     t0 = time.monotonic()
     with pytest.raises(SubmitError, match="is not the KFP API"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     fake.fail = {"/healthz": (401, "login first")}
     with pytest.raises(SubmitError, match=r"\(401\).*login first.*KFP_TOKEN"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     assert time.monotonic() - t0 < 5  # no retry loop
 
 
@@ -229,11 +229,24 @@ def test_a_failed_run_stops_the_sequence_naming_what_to_submit_next(
     fake, url = kfp_server
     fake.run_states = ("PENDING", "RUNNING", "FAILED")
     with pytest.raises(SubmitError) as e:
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+        submit(url, config, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
     (rid,) = fake.runs
     assert f"arm sync's run {rid} ended FAILED" in str(e.value)
     assert "tail_batching were not started" in str(e.value) and "--arm tail_batching" in str(e.value)
     assert len(fake.runs) == 1
+
+
+def test_sequential_arms_shorter_than_the_experiment_are_refused(
+    kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path
+) -> None:
+    """The next arm's first stage releases the previous arm's services only once it has committed
+    ``steps``: a run of fewer chained steps would leave the next arm refused on the cluster."""
+    fake, url = kfp_server
+    with pytest.raises(SubmitError, match=r"--steps 1 .*committed all steps = 2.* pass --set steps=1"):
+        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    assert fake.requests == []
+    sub = submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    assert [r.arm for r in sub.runs] == ["sync"]
 
 
 def test_arms_the_declared_gpus_cannot_hold_are_refused_before_anything_is_sent(
