@@ -236,7 +236,7 @@ def test_services_get_no_secret_through_the_ray_runtime_env(
     text = f'experiment: sec\nstore: {{endpoint: "{store.s3_endpoint}", bucket: {store.bucket}}}\n'
     cfg = config_from_text(text)
     reg = ServiceRegistry(RegistrySpec.of(text, cfg, "sync", "ray"))
-    opts = {role: reg._actor_options(role) for role in ("rollout", "reward", "trainer", "tracking")}
+    opts = {role: reg.actor_options(role) for role in ("rollout", "reward", "trainer", "tracking")}
     _assert_clean(planted, texts={role: repr(o) for role, o in opts.items()})
     env = opts["rollout"]["runtime_env"]["env_vars"]
     assert Path(env["ROLLPACKER_SERVICES_DIR"]).is_absolute()

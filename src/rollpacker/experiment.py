@@ -5,10 +5,12 @@ arm through the pipeline, then the comparison) and ``rollpacker train`` (one arm
 
 1. the local services (S3, MLflow, Ray) are started when the config points at them and none
    answers (and stopped at the end: only what this run started, by PID);
-2. the store, MLflow and Ray are checked before any step, naming the setting to fix;
-3. each arm runs its remaining steps (``steps`` minus what its committed state already holds:
-   an interrupted experiment continues from its last committed step) through ``kfp.local``, or
-   ``--runner inline`` calls the same stages in this process;
+2. the store, MLflow and Ray are checked before any step, naming the setting to fix, and so are
+   the Ray cluster's GPUs against one arm's services (core/placement.py);
+3. each arm in turn (one after another, whatever ``services.arms`` says) runs its remaining steps
+   (``steps`` minus what its committed state already holds: an interrupted experiment continues
+   from its last committed step) through ``kfp.local``, or ``--runner inline`` calls the same
+   stages in this process;
 4. after each arm its services are stopped (the next arm's engine needs the memory);
 5. ``rollpacker compare`` prints the table and logs it to MLflow.
 
@@ -26,13 +28,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from rollpacker import devservices
 from rollpacker.core.accounting import PromptAccount, StepPrompts, account_prompts
 from rollpacker.core.config import (
+    ArmSchedule,
     ExperimentConfig,
     RolloutConfig,
     apply_overrides,
@@ -41,10 +44,11 @@ from rollpacker.core.config import (
     resolve_config,
 )
 from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
-from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray
+from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray, plan_on_ray
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
@@ -78,12 +82,18 @@ def remaining_steps(cfg: ExperimentConfig, arm: str) -> tuple[int, int]:
     return done, max(0, cfg.steps - (done + 1))
 
 
-def preflight(cfg: ExperimentConfig, runner: str) -> None:
-    """Fail before any step when a store, MLflow or Ray setting is wrong."""
+def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = ()) -> None:
+    """Fail before any step when a store, MLflow or Ray setting is wrong, or when the Ray cluster's
+    GPUs cannot hold the arms' services (one arm at a time: this runner runs the arms one after
+    another whatever ``services.arms`` says, which holds whatever ``disjoint`` holds)."""
     open_store(cfg.store).check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     if runner == "kfp":
         connect_ray(cfg.services.ray_address, cfg.services.namespace)
+        arms = list(arms or cfg.arm_names)
+        if any(arm_gpus(cfg, a).total for a in arms):
+            one_at_a_time = replace(cfg, services=replace(cfg.services, arms=ArmSchedule.SEQUENTIAL))
+            plan_on_ray(one_at_a_time, arms)
 
 
 def run_experiment(
@@ -111,7 +121,7 @@ def run_experiment(
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
     try:
-        preflight(cfg, runner)
+        preflight(cfg, runner, chosen)
         if fresh:
             reset_arms(cfg, chosen, say)
         out = ExperimentOutcome(cfg.experiment, tracking_uri=cfg.tracking_uri)

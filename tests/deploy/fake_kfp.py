@@ -46,6 +46,9 @@ class FakeKFP:
     experiments: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> experiment
     runs: dict[str, dict[str, Any]] = field(default_factory=dict)
     fail: dict[str, tuple[int, str]] = field(default_factory=dict)  # path suffix -> (status, body)
+    # the states a run reports to GET /runs/{id}, one more per read (the last one stays)
+    run_states: tuple[str, ...] = ("RUNNING", "SUCCEEDED")
+    _reads: dict[str, int] = field(default_factory=dict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def new_id(self, kind: str) -> str:
@@ -84,6 +87,11 @@ class FakeKFP:
         if req.method == "POST" and path == "/runs":
             rid = self.new_id("run")
             self.runs[rid] = {**req.json(), "run_id": rid, "state": "PENDING"}
+            return 200, self.runs[rid]
+        if req.method == "GET" and path.startswith("/runs/") and path.removeprefix("/runs/") in self.runs:
+            rid = path.removeprefix("/runs/")
+            n = self._reads[rid] = self._reads.get(rid, -1) + 1
+            self.runs[rid]["state"] = self.run_states[min(n, len(self.run_states) - 1)]
             return 200, self.runs[rid]
         return 404, {"error": f"fake KFP: no route for {req.method} {req.path}", "code": 5}
 

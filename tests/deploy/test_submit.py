@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -20,7 +21,7 @@ from tests.deploy.fake_kfp import API, FakeKFP
 from tests.pipelines.spec import parse_strict
 
 CONFIG = """experiment: deploy-test
-steps: 5
+steps: 2
 arms: [sync, tail_batching]
 store:
   endpoint: minio:9000
@@ -58,8 +59,9 @@ def test_submit_uploads_the_compiled_pipeline_and_starts_one_run_per_arm(
     kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path
 ) -> None:
     fake, url = kfp_server
-    sub = submit(url + "/", config, steps=2, out_dir=tmp_path / "build", log=lambda s: None)
+    sub = submit(url + "/", config, steps=2, out_dir=tmp_path / "build", log=lambda s: None, poll_s=0.01)
     calls = [(r.method, r.path) for r in fake.requests]
+    first = sub.runs[0].run_id
     assert calls == [
         ("GET", f"{API}/healthz"),  # our probe
         ("GET", f"{API}/healthz"),  # kfp.Client's
@@ -69,6 +71,9 @@ def test_submit_uploads_the_compiled_pipeline_and_starts_one_run_per_arm(
         ("GET", f"{API}/experiments"),
         ("POST", f"{API}/experiments"),
         ("POST", f"{API}/runs"),
+        # services.arms: sequential (the default): the second arm starts when the first succeeded
+        ("GET", f"{API}/runs/{first}"),  # RUNNING
+        ("GET", f"{API}/runs/{first}"),  # SUCCEEDED
         ("POST", f"{API}/runs"),
     ]
     # the upload is the compiled rl_experiment of 2 steps, strictly valid, with its platform config
@@ -83,7 +88,7 @@ def test_submit_uploads_the_compiled_pipeline_and_starts_one_run_per_arm(
     # the experiment is the config's
     assert fake.requests[6].json()["display_name"] == "deploy-test"
     # one run per arm: the uploaded version, the config text and the arm, the service account
-    runs = [r.json() for r in fake.requests[7:]]
+    runs = [r.json() for r in fake.requests[7:] if r.method == "POST"]
     assert [r["runtime_config"]["parameters"]["arm"] for r in runs] == ["sync", "tail_batching"]
     for r in runs:
         assert r["runtime_config"]["parameters"]["config"] == CONFIG
@@ -165,15 +170,15 @@ def test_server_errors_are_reported_with_the_servers_answer(
     fake, url = kfp_server
     fake.fail["/pipelines/upload"] = (500, "disk full")
     with pytest.raises(SubmitError, match=r"failed \(500\).*disk full"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     assert not fake.runs
     fake.fail = {"/healthz": (404, "not found")}
     t0 = time.monotonic()
     with pytest.raises(SubmitError, match="is not the KFP API"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     fake.fail = {"/healthz": (401, "login first")}
     with pytest.raises(SubmitError, match=r"\(401\).*login first.*KFP_TOKEN"):
-        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None)
+        submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None)
     assert time.monotonic() - t0 < 5  # no retry loop
 
 
@@ -205,3 +210,79 @@ def test_cli_submit(kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Pat
     assert res.exit_code == 2 and "use the KFP API's URL" in res.output
     res = runner.invoke(app, ["submit", "--config", str(config)])
     assert res.exit_code != 0 and "--host" in res.output
+
+
+def test_disjoint_arms_start_at_once(kfp_server: tuple[FakeKFP, str], tmp_path: Path) -> None:
+    fake, url = kfp_server
+    path = tmp_path / "disjoint.yaml"
+    path.write_text(CONFIG + "services:\n  arms: disjoint\n")
+    sub = submit(url, path, steps=1, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    calls = [(r.method, r.path) for r in fake.requests]
+    assert calls[-2:] == [("POST", f"{API}/runs"), ("POST", f"{API}/runs")]
+    assert not [c for c in calls if c[1].startswith(f"{API}/runs/")]  # nobody waits
+    assert [r.arm for r in sub.runs] == ["sync", "tail_batching"]
+
+
+def test_a_failed_run_stops_the_sequence_naming_what_to_submit_next(
+    kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path
+) -> None:
+    fake, url = kfp_server
+    fake.run_states = ("PENDING", "RUNNING", "FAILED")
+    with pytest.raises(SubmitError) as e:
+        submit(url, config, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    (rid,) = fake.runs
+    assert f"arm sync's run {rid} ended FAILED" in str(e.value)
+    assert "tail_batching were not started" in str(e.value) and "--arm tail_batching" in str(e.value)
+    assert len(fake.runs) == 1
+
+
+def test_sequential_arms_shorter_than_the_experiment_are_refused(
+    kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path
+) -> None:
+    """The next arm's first stage releases the previous arm's services only once it has committed
+    ``steps``: a run of fewer chained steps would leave the next arm refused on the cluster."""
+    fake, url = kfp_server
+    with pytest.raises(SubmitError, match=r"--steps 1 .*committed all steps = 2.* pass --set steps=1"):
+        submit(url, config, steps=1, out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    assert fake.requests == []
+    sub = submit(url, config, steps=1, arms=["sync"], out_dir=tmp_path, log=lambda s: None, poll_s=0.01)
+    assert [r.arm for r in sub.runs] == ["sync"]
+
+
+def test_arms_the_declared_gpus_cannot_hold_are_refused_before_anything_is_sent(
+    kfp_server: tuple[FakeKFP, str], tmp_path: Path
+) -> None:
+    from rollpacker.core.placement import PlacementError
+
+    fake, url = kfp_server
+    said: list[str] = []
+    with pytest.raises(PlacementError, match="needs 16 GPUs together in the training worker group"):
+        submit(
+            url, Path("cluster"), overrides={"services.arms": "disjoint"}, out_dir=tmp_path, log=said.append
+        )
+    assert fake.requests == [] and not (tmp_path / "rl_experiment.yaml").exists()
+    submit(url, Path("cluster"), steps=1, arms=["sync"], out_dir=tmp_path, log=said.append)
+    assert "services.arms: sequential; GPUs per arm (sync: rollout 1, training 8, judge 1)" in said[0]
+
+
+def test_the_cluster_configs_gpus_are_the_gpu_overlays(
+    rendered: dict[str, list[dict[str, Any]]], root: Path
+) -> None:
+    """services.gpus in manifests/experiment.yaml (what submit checks the arms against) is what the
+    gpu overlay's RayCluster gives Ray: replicas x the GPUs KubeRay derives for each group's pods."""
+    from rollpacker.core.config import load_config
+
+    gpus = load_config(root / "manifests" / "experiment.yaml").services.gpus
+    (rc,) = [d for d in rendered["gpu"] if d["kind"] == "RayCluster"]
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+
+    def ray_gpus(group: dict[str, Any]) -> int:
+        # KubeRay: rayStartParams num-gpus, else the first container limit whose name ends in "gpu"
+        limits = group["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        derived = next((int(v) for k, v in limits.items() if k.endswith("gpu")), 0)
+        return group["replicas"] * int(group["rayStartParams"].get("num-gpus", derived))
+
+    assert {"rollout": gpus.rollout, "training": gpus.training, "judge": gpus.judge} == {
+        name: ray_gpus(groups[name]) for name in ("rollout", "training", "judge")
+    }
+    assert ray_gpus(groups["sandbox"]) == 0

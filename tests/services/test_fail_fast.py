@@ -146,9 +146,9 @@ def test_service_actors_cap_their_malloc_arenas_unless_told_otherwise(
     reg = ServiceRegistry(RegistrySpec.of(text, config_from_text(text), "sync", "ray"))
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     for role in ("rollout", "reward", "trainer", "tracking"):
-        assert reg._actor_options(role)["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
+        assert reg.actor_options(role)["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
-    assert reg._actor_options("trainer")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "4"
+    assert reg.actor_options("trainer")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "4"
 
 
 def test_a_service_class_is_made_a_ray_actor_class_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -650,6 +650,38 @@ class StoreConfig:
 FILE_SCHEME = "file://"
 
 
+class ArmSchedule(enum.Enum):
+    """How an experiment's arms share the cluster (``services.arms``; docs/operations.md, "Placement")."""
+
+    SEQUENTIAL = "sequential"  # one arm after another, each with every GPU of the cluster
+    DISJOINT = "disjoint"  # all arms at once, each on its own GPUs (the cluster must hold them all)
+
+
+@dataclass(frozen=True)
+class ClusterGpus:
+    """The GPUs of each RayCluster worker group that holds them (``services.gpus``): replicas x
+    ``nvidia.com/gpu`` of the group's pods (the judge group: its MPS shares, one Ray GPU each). All 0
+    (the default): a machine without GPUs, where no service asks Ray for a GPU. With any set, the
+    rollout service, a CUDA judge and a CUDA torch trainer ask for the GPUs they use, and ``rollpacker
+    submit`` refuses arms the groups cannot hold before any run starts (core/placement.py)."""
+
+    rollout: int = 0
+    training: int = 0
+    judge: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rollout", "training", "judge"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(
+                    f"services.gpus.{name} = {v!r}: the {name} worker group's GPU count, an integer >= 0"
+                )
+
+    @property
+    def declared(self) -> bool:
+        return bool(self.rollout or self.training or self.judge)
+
+
 @dataclass(frozen=True)
 class ServicesConfig:
     """Where the long-lived services (Ray actors: engine, rewards, judge, trainer) run."""
@@ -661,6 +693,10 @@ class ServicesConfig:
     # (rollpacker_rollout / _training / _judge / _sandbox, manifests/base/ray/raycluster.yaml), so
     # Ray places it on its role's pods; off on one machine, whose Ray head has no such resources
     role_resources: bool = False
+    # sequential: the arms run one after another (`rollpacker submit` starts the next arm's run when
+    # the last one ended); disjoint: at once, each arm on its own GPUs (docs/operations.md, "Placement")
+    arms: ArmSchedule = ArmSchedule.SEQUENTIAL
+    gpus: ClusterGpus = dataclasses.field(default_factory=ClusterGpus)
 
     def __post_init__(self) -> None:
         if not self.namespace:

@@ -11,6 +11,11 @@ tests). A proxy method that the Protocol documents as fire-and-forget does not w
 A service is bound to the config text it was built from: when a stage brings a different config
 (an edited YAML on resume), the actor is killed and rebuilt rather than silently reused.
 
+Each actor asks Ray for the GPUs its service uses (core/placement.py: the rollout engines, a CUDA
+judge or torch trainer), so Ray gives it GPUs of its own. Before an arm's first actor starts, its
+GPUs are checked against Ray's alive nodes; with ``services.arms: sequential`` the services of an
+arm that has committed all its steps are stopped then, and an unfinished arm's refuse the next.
+
 Invariants:
 - one live actor per (experiment, arm, role) in a namespace;
 - a service built from another config is never handed out;
@@ -26,12 +31,20 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from rollpacker.core.advantages import TrainSample
-from rollpacker.core.config import ExperimentConfig
+from rollpacker.core.config import ArmSchedule, ExperimentConfig, config_from_text
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.placement import (
+    ROLE_GROUP,
+    PlacementError,
+    PlacementPlan,
+    arm_gpus,
+    capacity_from_nodes,
+    plan_placement,
+)
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
 from rollpacker.devservices import local_ray_address
@@ -62,7 +75,9 @@ from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
+from rollpacker.store import open_store
 from rollpacker.store.s3 import SERVICES_DIR_ENV, local_credentials_path
+from rollpacker.store.state_store import StateStore
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,13 +91,7 @@ SERVICE_CLASS: dict[str, type[Service]] = {
     "tracking": TrackingService,
 }
 # the RayCluster worker group (custom resource ``rollpacker_<group>``) each service role runs in
-ROLE_RESOURCE = {
-    "rollout": "rollpacker_rollout",
-    "trainer": "rollpacker_training",
-    "reward": "rollpacker_sandbox",
-    "judge": "rollpacker_judge",
-    "tracking": "rollpacker_sandbox",  # a CPU worker: an MLflow client and nothing else
-}
+ROLE_RESOURCE = {role: f"rollpacker_{group}" for role, group in ROLE_GROUP.items()}
 
 
 # -- handles: one service, reached in this process or in a Ray actor -----------------------------
@@ -368,9 +377,15 @@ class RegistrySpec:
         "MALLOC_ARENA_MAX",
     )
     role_resources: bool = False  # ask for the role's worker-group resource (services.role_resources)
+    # (role, num_gpus) of the actors that use GPUs, and whether the arm uses any (its gang's
+    # included): core/placement.py; the placement is checked against Ray's nodes before the first
+    # actor starts
+    actor_gpus: tuple[tuple[str, int], ...] = ()
+    uses_gpus: bool = False
 
     @classmethod
     def of(cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: str) -> RegistrySpec:
+        gpus = arm_gpus(cfg, arm)
         return cls(
             config_text,
             cfg.experiment,
@@ -380,6 +395,8 @@ class RegistrySpec:
             namespace=cfg.services.namespace,
             call_timeout_s=cfg.services.call_timeout_s,
             role_resources=bool(cfg.services.role_resources),
+            actor_gpus=tuple((r, gpus.actor_gpus(r)) for r in ROLES if gpus.actor_gpus(r)),
+            uses_gpus=gpus.total > 0,
         )
 
 
@@ -397,6 +414,7 @@ class ServiceRegistry(Peers):
         self.digest = config_digest(spec.config_text)
         self._handles: dict[str, Handle] = {}
         self.failures = CastFailures()
+        self._placed = False
 
     def __reduce__(self) -> tuple[Any, ...]:  # into a Ray actor: the spec, not the live handles
         return (ServiceRegistry, (self.spec,))
@@ -473,7 +491,9 @@ class ServiceRegistry(Peers):
             cls._inline.clear()
 
     # -- Ray --------------------------------------------------------------------------------------
-    def _actor_options(self, role: str) -> dict[str, Any]:
+    def actor_options(self, role: str) -> dict[str, Any]:
+        """The ``.options()`` of ``role``'s Ray actor: its name, the worker group's resource with
+        ``services.role_resources``, and ``num_gpus`` when it uses GPUs (core/placement.py)."""
         opts: dict[str, Any] = {
             "name": self.name(role),
             "namespace": self.spec.namespace,
@@ -486,6 +506,9 @@ class ServiceRegistry(Peers):
         }
         if self.spec.role_resources:
             opts["resources"] = {ROLE_RESOURCE[role]: 1}
+        gpus = dict(self.spec.actor_gpus).get(role, 0)
+        if gpus:
+            opts["num_gpus"] = gpus  # Ray sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own
         env = {k: os.environ[k] for k in self.spec.forward_env if os.environ.get(k)}
         env[SERVICES_DIR_ENV] = str(local_credentials_path().parent.resolve())
         # glibc gives every thread that allocates its own malloc arena (up to 8 per core), and the
@@ -499,9 +522,11 @@ class ServiceRegistry(Peers):
         import ray
 
         connect_ray(self.spec.ray_address, self.spec.namespace)
+        if self.spec.uses_gpus and not self._placed:
+            self.check_placement()
         name = self.name(role)
         actor_cls = _remote_class(role)
-        opts = self._actor_options(role)
+        opts = self.actor_options(role)
         args = (self.spec.config_text, self.spec.arm, role)
 
         def handle_of(actor: Any) -> _RayHandle:
@@ -522,6 +547,47 @@ class ServiceRegistry(Peers):
             handle.call(ServiceAPI.config_digest)
         handle.call(ServiceAPI.bind, self)
         return handle
+
+    def check_placement(self) -> None:
+        """Before this arm's first actor starts: its GPUs (every arm's, with ``services.arms:
+        disjoint``) checked against Ray's alive nodes, and, with ``sequential``, the services of
+        another arm of the experiment released when that arm has committed all its steps (or a
+        ``PlacementError`` when it has not: two arms would share the GPUs)."""
+        cfg = config_from_text(self.spec.config_text)
+        disjoint = cfg.services.arms is ArmSchedule.DISJOINT
+        plan_on_ray(cfg, cfg.arm_names if disjoint else [self.spec.arm])
+        if not disjoint:
+            for other in cfg.arm_names:
+                if other != self.spec.arm:
+                    self._release_finished(cfg, other)
+        self._placed = True
+
+    def _release_finished(self, cfg: ExperimentConfig, other: str) -> None:
+        """``services.arms: sequential``: arm ``other``'s live services are stopped when it has
+        committed ``steps`` steps; a ``PlacementError`` when it has not."""
+        import ray
+
+        peer = ServiceRegistry(replace(self.spec, arm=other))
+        live = []
+        for role in ROLES:
+            try:
+                ray.get_actor(peer.name(role), namespace=self.spec.namespace)
+                live.append(role)
+            except ValueError:
+                continue
+        if not live:
+            return
+        done = StateStore(open_store(cfg.store), cfg.experiment, other).latest_step()
+        committed = 0 if done is None else done + 1
+        if committed < cfg.steps:
+            raise PlacementError(
+                f"services.arms: sequential runs one arm at a time, but arm {other!r} of experiment "
+                f"{cfg.experiment!r} still has its services ({', '.join(live)}) and has committed "
+                f"{committed} of {cfg.steps} steps, so arm {self.spec.arm!r} would share its GPUs: let arm "
+                f"{other!r}'s run end first (`rollpacker submit` starts the arms one after another), or "
+                "set services.arms: disjoint where the cluster holds every arm at once"
+            )
+        peer.kill_all()
 
     def kill_all(self) -> None:
         """Stop this arm's services (end of an arm: frees the engine's memory for the next)."""
@@ -564,6 +630,16 @@ def _wait_gone(name: str, namespace: str, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise ServiceError(f"service {name} did not go away within {timeout_s} s after ray.kill")
+
+
+def plan_on_ray(cfg: ExperimentConfig, arms: list[str]) -> PlacementPlan:
+    """``arms``' GPUs checked against the GPUs of the connected Ray cluster's alive nodes, per
+    worker group (core/placement.py); ``PlacementError`` when they do not fit."""
+    import ray
+
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    capacity = capacity_from_nodes(nodes, cfg.services.role_resources)
+    return plan_placement(cfg, arms, capacity, "Ray's alive nodes")
 
 
 def connect_ray(address: str, namespace: str) -> None:

@@ -47,6 +47,7 @@ import torch
 from rollpacker.core.advantages import TrainSample, get_advantage_estimator
 from rollpacker.core.config import MegatronConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
@@ -112,9 +113,7 @@ class MegatronTrainer:
         n = m.ranks
         if not ray.is_initialized():  # outside a cluster (tests, the inline runner): a local Ray
             _local_ray(max(n * m.cpus_per_rank, os.cpu_count() or 1))
-        bundle = {"CPU": m.cpus_per_rank, **({"GPU": m.gpus_per_rank} if m.gpus_per_rank else {})}
-        if m.resource:
-            bundle[m.resource] = 1.0
+        bundle = rank_bundle(m)  # its GPUs count against the training group (core/placement.py)
         self._pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
         try:
             ray.get(self._pg.ready(), timeout=300)
