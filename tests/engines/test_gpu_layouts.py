@@ -76,6 +76,9 @@ class FakeCuda:
                 for g in self.gpus:
                     cuda.used[g] = cuda.used.get(g, 0) + share
                 self.share = share
+                # what the profiler reads of vLLM: the KV cache's blocks
+                cache = SimpleNamespace(num_gpu_blocks=4096, block_size=16)
+                self._engine = SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache))
                 self.closed = False
                 cuda.started.append(
                     {
@@ -111,7 +114,7 @@ def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 
 
 def _cfg(**kw: Any) -> EngineConfig:
-    return EngineConfig(model_dir="/models/Qwen2.5-7B", dtype="bfloat16", **kw)
+    return EngineConfig(**{"model_dir": "/models/Qwen2.5-7B", "dtype": "bfloat16", **kw})
 
 
 def _live(cuda: FakeCuda) -> list[dict[str, Any]]:
@@ -228,6 +231,8 @@ def test_the_cluster_config_runs_the_planned_tp_on_every_rollout_gpu(cuda: FakeC
         state = dataclasses.replace(start_state("c", "tail_batching", "s3://b/ckpt"), tp_plan=TPPlan(4, 2))
         m = svc._prepare_layout(state, "short")
         assert m == {"rollout/tp": 4.0, "rollout/dp": 2.0}
+        for s in _live(cuda):  # started on demand, and warmed before it serves (as the pool's first)
+            assert any(rid.startswith("warm/tp4dp2/") for rid in s["engine"]._all_ids)
         assert [(s["tp"], s["gpus"]) for s in _live(cuda)] == [
             (4, ("8", "9", "10", "11")),
             (4, ("12", "13", "14", "15")),
@@ -293,3 +298,26 @@ def test_a_resumed_run_starts_on_its_planned_tp_and_never_starts_layouts_below_m
         assert Layout(1, 8) not in svc.engine.pool.layouts and Layout(2, 4) in svc.engine.pool.layouts
     finally:
         svc.close()
+
+
+def test_profiling_on_gpus_restarts_as_few_layouts_as_it_can(cuda: FakeCuda, tmp_path: Path) -> None:
+    """One layout started at a time: the held-out check starts on the layout profiled last."""
+    import json
+
+    from rollpacker.engines.profiler import ProfileSpec, profile_and_check
+
+    model = tmp_path / "model"
+    model.mkdir()
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64, "num_hidden_layers": 2}
+    (model / "config.json").write_text(json.dumps(shape))
+    lays = (Layout(1, 8), Layout(2, 4))
+    pool = EnginePool(_cfg(model_dir=str(model), max_num_seqs=8), lays, node_devices())
+    try:
+        spec = ProfileSpec(layouts=lays, batches=(1, 2), contexts=(16,), window=4)
+        held_out = [Prompt(f"h{i}", tuple(range(1, 9))) for i in range(4)]
+        doc = profile_and_check(pool, spec, held_out, max_tokens=8, window=4)
+        started = [s["tp"] for s in cuda.started]
+        assert started == [1] * 8 + [2] * 4 + [1] * 8, "tp1, tp2, then tp1 again: never tp2 twice"
+        assert list(doc["validation"]) == ["tp1dp8", "tp2dp4"] and doc["table"]["hardware"].startswith("8x")
+    finally:
+        pool.close()

@@ -323,6 +323,23 @@ class LayoutEngine:
         return self._held
 
 
+def _warm_up(lay: Layout, eng: LayoutEngine) -> float:
+    """Two short requests per replica of ``eng``, run to the end; the seconds taken."""
+    t0 = time.perf_counter()
+    for i in range(lay.dp * 2):
+        eng.add_request(
+            GenerationRequest(
+                f"warm/{lay.name}/{time.time_ns()}/{i}",
+                Prompt("warm", tuple(range(1, 33))),
+                0,
+                SamplingSpec(max_tokens=8, ignore_eos=True),
+            )
+        )
+    while eng.has_unfinished():
+        eng.step()
+    return time.perf_counter() - t0
+
+
 def resident_layouts(device: str, gpu_memory_utilization: float, candidates: int) -> int:
     """How many layouts a pool keeps started at once. On CPU every candidate (each engine's KV
     cache is ``engine.kv_cache_gib`` of host memory). On CUDA every layout covers all the pool's
@@ -357,6 +374,7 @@ class EnginePool:
         self.engines: dict[Layout, LayoutEngine] = {}  # started ones, least recently used first
         self._weights: list[tuple[str, Any]] | None = None  # the last pushed, for later starts
         self._closed_preemptions = 0
+        self._warm = False  # warm() was called: layouts started later are warmed too
         try:
             for lay in self.candidates[: self.resident]:
                 self._start(lay)
@@ -377,6 +395,7 @@ class EnginePool:
         pool.engines = dict(engines)
         pool._weights = None
         pool._closed_preemptions = 0
+        pool._warm = False
         return pool
 
     def _start(self, lay: Layout) -> LayoutEngine:
@@ -388,6 +407,8 @@ class EnginePool:
         self.engines[lay] = eng
         if self._weights is not None:
             eng.load_weights(iter(self._weights))
+        if self._warm:
+            _warm_up(lay, eng)
         if self.on_start is not None:
             self.on_start(lay, time.perf_counter() - t0)
         return eng
@@ -426,25 +447,12 @@ class EnginePool:
             eng.close()
 
     def warm(self) -> dict[str, float]:
-        """Run one short request through every replica of every layout: a fresh engine's first
-        steps pay one-off set-up (seconds on a CPU) that a layout switch must not."""
+        """Run one short request through every replica of every started layout: a fresh engine's
+        first steps pay one-off set-up (seconds on a CPU) that a layout switch must not. Layouts
+        started later (on GPUs, on demand) are warmed as they start."""
 
-        out = {}
-        for lay, eng in self.engines.items():
-            t0 = time.perf_counter()
-            for i in range(lay.dp * 2):
-                eng.add_request(
-                    GenerationRequest(
-                        f"warm/{lay.name}/{time.time_ns()}/{i}",
-                        Prompt("warm", tuple(range(1, 33))),
-                        0,
-                        SamplingSpec(max_tokens=8, ignore_eos=True),
-                    )
-                )
-            while eng.has_unfinished():
-                eng.step()
-            out[lay.name] = time.perf_counter() - t0
-        return out
+        self._warm = True
+        return {lay.name: _warm_up(lay, eng) for lay, eng in self.engines.items()}
 
     def __getitem__(self, layout: Layout) -> LayoutEngine:
         """``layout``'s engines, started now (closing the least recently used layout) if they

@@ -111,6 +111,9 @@ def copy_bandwidth_bps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
         dst.copy_(src)
         sync()
         best = min(best, time.perf_counter() - t0)
+    if src.is_cuda:  # back to the engines that share these GPUs (the allocator would keep it)
+        del src, dst
+        torch.cuda.empty_cache()
     return nbytes / best
 
 
@@ -352,7 +355,10 @@ def profile_and_check(
     table = profile_engines(pool.cfg, spec, pool=pool, progress=progress)
     pred = Predictor(table)
     errors = {}
-    for lay in pool.layouts:
+    # started layouts first, the most recent first: on GPUs, where one layout may be started at a
+    # time, every other one costs an engine start
+    started = tuple(reversed(pool.started))
+    for lay in (*started, *(lay for lay in pool.layouts if lay not in started)):
         sp = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
         reqs = [
             GenerationRequest(f"held-out/{lay.name}/{time.time_ns()}/{i}", p, 0, sp)
@@ -368,7 +374,7 @@ def profile_and_check(
         )
     return {
         "table": asdict(table),
-        "validation": errors,
+        "validation": {lay.name: errors[lay.name] for lay in pool.layouts},
         "seconds": time.perf_counter() - t0,
         "prompt_tokens_mean": sum(len(p.token_ids) for p in held_out) / max(len(held_out), 1),
     }
