@@ -321,3 +321,17 @@ def test_profiling_on_gpus_restarts_as_few_layouts_as_it_can(cuda: FakeCuda, tmp
         assert list(doc["validation"]) == ["tp1dp8", "tp2dp4"] and doc["table"]["hardware"].startswith("8x")
     finally:
         pool.close()
+
+
+def test_the_rollout_service_takes_the_gpus_ray_gave_its_actor(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from rollpacker.services.rollout import RolloutService
+
+    ray = SimpleNamespace(is_initialized=lambda: True, get_gpu_ids=lambda: [3, 5])
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    assert RolloutService._given_gpus() == ["3", "5"]
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    assert RolloutService._given_gpus() is None, "none given: the visible devices decide"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert RolloutService._given_gpus() is None, "services in this process: no Ray"
