@@ -78,6 +78,7 @@ def test_invariant_tp_is_a_power_of_two_in_bounds_and_replay_equals_stepping(
         {"rise_factor": 0.9},
         {"calm_steps": 0},
         {"devices": 2, "max_tp": 4},
+        {"devices": 6, "max_tp": 4},  # TP 4 would leave 2 of the 6 devices idle
         {"devices": -1},
         {"check_every": 0},
         {"reprofile_margin": 0},

@@ -80,7 +80,7 @@ def service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     svc.checkpoint_uri, svc.policy_version = "file:///ckpt-0", 0
     svc.started = []
 
-    def start(_ecfg: Any) -> SwitchingEngine:
+    def start(_ecfg: Any, _first_tp: int = 0) -> SwitchingEngine:
         eng, _ = _engine()
         svc.started.append(eng)
         return eng

@@ -165,6 +165,13 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     speculation: SpeculationConfig = dataclasses.field(default_factory=SpeculationConfig)
+    # where vLLM runs: auto (the installed vLLM's platform, or $ROLLPACKER_VLLM_DEVICE), cpu, cuda
+    device: str = "auto"
+    # on CUDA: the share of each of its GPUs' memory one engine takes (weights, activations, KV
+    # cache); a GPU holds floor(1 / this) engines, so the engine pool keeps that many layouts warm
+    # (docs/parallelism.md "Engines on GPUs"). On CPU kv_cache_gib sizes the KV cache instead.
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: str | bool = "auto"  # auto = on for CUDA, off on CPU (vLLM's enforce_eager)
 
     def __post_init__(self) -> None:
         _positive_int("engine.max_num_seqs", self.max_num_seqs)
@@ -174,6 +181,16 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_cache_gib = {self.kv_cache_gib!r}: must be > 0 (GiB)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype = {self.dtype!r}: use one of float32, bfloat16, float16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"engine.device = {self.device!r}: use one of auto, cpu, cuda")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, int | float) or not 0 < u <= 1:
+            raise ConfigError(
+                f"engine.gpu_memory_utilization = {u!r}: the share of a GPU's memory one engine "
+                "takes, in (0, 1] (0.9 for one engine per GPU; 0.45 keeps two layouts warm)"
+            )
+        if self.cuda_graphs not in ("auto", True, False):
+            raise ConfigError(f"engine.cuda_graphs = {self.cuda_graphs!r}: use auto, true or false")
 
 
 def speculative_count(eta: float, base: int) -> int:

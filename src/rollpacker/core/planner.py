@@ -14,7 +14,8 @@ The planner is a pure function of the step history, so the controller stores the
 replays it (``replay``); a restart can never lose or double a decision.
 
 Invariants (tests/core/test_planner.py):
-- every TP size is a power of two in ``[min_tp, max_tp]``;
+- every TP size is a power of two in ``[min_tp, max_tp]``, and with ``devices`` it divides them
+  (``devices`` is a multiple of ``max_tp``), so each layout fills the devices;
 - ``replay(h)`` equals applying ``observe`` one step at a time (the state round-trips);
 - a short round's preemptions never change the long rounds' TP, and the other way round;
 - TP only grows on a rise above ``rise_factor`` and only shrinks after ``calm_steps`` calm steps.
@@ -70,6 +71,12 @@ class PlannerConfig:
             raise ConfigError(
                 f"planner.max_tp = {self.max_tp} exceeds planner.devices = {self.devices}: a TP group "
                 "never spans more devices than one node has"
+            )
+        if self.devices and self.devices % self.max_tp:
+            raise ConfigError(
+                f"planner.devices = {self.devices} is not a multiple of planner.max_tp = {self.max_tp}: "
+                f"a round planned at TP {self.max_tp} would leave {self.devices % self.max_tp} device(s) "
+                "idle (every layout must fill the devices); use a power-of-two max_tp dividing devices"
             )
         if self.check_every < 1 or self.profile_window < 2:
             raise ConfigError("planner.check_every must be >= 1 and planner.profile_window >= 2")

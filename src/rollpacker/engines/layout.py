@@ -4,8 +4,10 @@
   replica's engine core runs in its own process pinned to its own devices (CPU cores here,
   GPUs on a cluster), so replicas decode side by side while one driver thread steps them in turn.
   A request goes to the replica with the fewest unfinished requests.
-- ``EnginePool``: the warm engines of every candidate layout of one node (started once, kept
-  while memory allows), with in-place weight loading into all of them.
+- ``EnginePool``: the engines of the candidate layouts of one node, with in-place weight loading
+  into all of them. On CPU every layout stays started and warm; on GPUs each started layout puts
+  one engine on every GPU at ``engine.gpu_memory_utilization``, so floor(1 / that) layouts stay
+  started (one at 0.9) and the others start on demand, closing the least recently used one.
 - ``SwitchingEngine``: the port over a pool. Every ``check_every`` steps it asks PAT's Algorithm 1
   (``rollpacker.core.latency.choose_layout``) whether another layout finishes the unfinished
   requests sooner, switch cost included, and if so switches by **recompute migration**: it aborts
@@ -25,14 +27,17 @@
   is off while replicas are parked (a switch would take the lent devices back).
 
 Devices: a replica's devices are CPU cores here (its engine core's OpenMP threads are bound to
-them, ``VLLM_CPU_OMP_THREADS_BIND``) and GPUs on a cluster (``CUDA_VISIBLE_DEVICES``); a scale-down
-frees whole replicas, never part of a TP group.
+them, ``VLLM_CPU_OMP_THREADS_BIND``) and, when vLLM runs on CUDA, GPUs: the ones this process was
+given (``engines.gpus``), replica ``i`` of a TP-``t`` layout started with ``CUDA_VISIBLE_DEVICES``
+set to the ``i``-th group of ``t``. A scale-down frees whole replicas, never part of a TP group.
 
 Invariants (tests/engines/test_layout.py on real vLLM, tests/services/test_scaledown_runtime.py):
 - a request's reported tokens are exactly the tokens it was generated with, across any switch
   or scale-down, and it never gets more than its ``max_tokens``;
 - every added request finishes exactly once (or is aborted by the caller);
-- ``num_preemptions`` sums every engine of every layout (non-decreasing);
+- ``num_preemptions`` sums every engine of every layout, closed ones included (non-decreasing);
+- on GPUs the replicas of a layout hold disjoint GPU groups, and no GPU's started engines take more
+  than its memory (tests/engines/test_gpu_layouts.py, on a fake-CUDA layer);
 - a parked replica holds no request, gets none and is not stepped; after a scale-down every
   request of a freed replica runs on the kept replica the decision named.
 """
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -70,6 +76,7 @@ from rollpacker.core.scaledown import (
     ScaleDownOutcome,
 )
 from rollpacker.core.types import EngineStepStats, GenerationRequest, Prompt, RequestUpdate, SamplingSpec
+from rollpacker.engines.gpus import check_gpu_shares, engine_device, gpu_memory, visible_gpus
 
 log = logging.getLogger(__name__)
 _ENV_LOCK = threading.Lock()
@@ -85,20 +92,23 @@ def device_groups(layout: Layout, devices: Sequence[str]) -> list[list[str]]:
     return [list(devices[i * layout.tp : (i + 1) * layout.tp]) for i in range(layout.dp)]
 
 
-def node_devices() -> list[str]:
-    """This node's devices: GPUs when vLLM runs on CUDA, otherwise the CPU cores we may use."""
-    if os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") != "cpu":
-        vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if vis:
-            return [d for d in vis.split(",") if d]
-        import torch
-
-        return [str(i) for i in range(torch.cuda.device_count())]
+def node_devices(device: str = "auto") -> list[str]:
+    """This node's devices: the GPUs this process was given when vLLM runs on CUDA (Ray's
+    ``CUDA_VISIBLE_DEVICES`` for the actor, or the pod's), otherwise the CPU cores we may use."""
+    if engine_device(device) == "cuda":
+        gpus = visible_gpus()
+        if not gpus:
+            raise EngineError(
+                "vLLM runs on CUDA but this process was given no GPU (CUDA_VISIBLE_DEVICES is empty): "
+                "the rollout service must ask Ray for its GPUs (num_gpus = engines x TP)"
+            )
+        return gpus
     return [str(c) for c in sorted(os.sched_getaffinity(0))]
 
 
-def _replica_env(group: Sequence[str]) -> dict[str, str]:
-    if os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") != "cpu":
+def replica_env(group: Sequence[str], device: str) -> dict[str, str]:
+    """The environment a replica's engine starts in: its GPUs on CUDA, its cores on CPU."""
+    if device == "cuda":
         return {"CUDA_VISIBLE_DEVICES": ",".join(group)}
     # one core list per TP rank, ranks separated by "|" (vLLM's CPU worker binding)
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(group)}
@@ -110,8 +120,10 @@ def start_replica(cfg: EngineConfig, tp: int, group: Sequence[str], index: int =
     random stream."""
     from rollpacker.engines.vllm_engine import VLLMEngine
 
+    if len(group) != tp:
+        raise EngineError(f"a TP-{tp} engine needs {tp} devices, got {len(group)} ({','.join(group)})")
     # the engine's processes inherit the environment at start
-    with _ENV_LOCK, environ_set(_replica_env(group)):
+    with _ENV_LOCK, environ_set(replica_env(group, engine_device(cfg.device))):
         return VLLMEngine(
             dataclasses.replace(cfg, tensor_parallel_size=tp, seed=cfg.seed + index),
             in_process=False,
@@ -311,8 +323,40 @@ class LayoutEngine:
         return self._held
 
 
+def _warm_up(lay: Layout, eng: LayoutEngine) -> float:
+    """Two short requests per replica of ``eng``, run to the end; the seconds taken."""
+    t0 = time.perf_counter()
+    for i in range(lay.dp * 2):
+        eng.add_request(
+            GenerationRequest(
+                f"warm/{lay.name}/{time.time_ns()}/{i}",
+                Prompt("warm", tuple(range(1, 33))),
+                0,
+                SamplingSpec(max_tokens=8, ignore_eos=True),
+            )
+        )
+    while eng.has_unfinished():
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def resident_layouts(device: str, gpu_memory_utilization: float, candidates: int) -> int:
+    """How many layouts a pool keeps started at once. On CPU every candidate (each engine's KV
+    cache is ``engine.kv_cache_gib`` of host memory). On CUDA every layout covers all the pool's
+    GPUs, so each GPU holds one engine per started layout, each taking ``gpu_memory_utilization``
+    of it: floor(1 / utilization) layouts fit (1 at the default 0.9), the others start on demand."""
+    if device != "cuda":
+        return candidates
+    return max(1, min(candidates, math.floor(1 / gpu_memory_utilization + 1e-9)))
+
+
+GPU_FREE_WAIT_S = 60.0  # a closed engine's processes may take a while to give their GPU memory back
+
+
 class EnginePool:
-    """The warm engines of each candidate layout on this node's devices."""
+    """The engines of each candidate layout on this node's devices: every candidate started and
+    warm where memory allows (CPU), else as many as fit, the others started on demand, closing the
+    least recently used layout first (GPUs; ``resident_layouts``)."""
 
     def __init__(
         self,
@@ -322,14 +366,18 @@ class EnginePool:
         on_start: Callable[[Layout, float], None] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.devices = list(devices) if devices is not None else node_devices()
-        self.engines: dict[Layout, LayoutEngine] = {}
+        self.device = engine_device(cfg.device)
+        self.devices = list(devices) if devices is not None else node_devices(cfg.device)
+        self.candidates = tuple(layouts)
+        self.resident = resident_layouts(self.device, cfg.gpu_memory_utilization, len(self.candidates))
+        self.on_start = on_start
+        self.engines: dict[Layout, LayoutEngine] = {}  # started ones, least recently used first
+        self._weights: list[tuple[str, Any]] | None = None  # the last pushed, for later starts
+        self._closed_preemptions = 0
+        self._warm = False  # warm() was called: layouts started later are warmed too
         try:
-            for lay in layouts:
-                t0 = time.perf_counter()
-                self.engines[lay] = LayoutEngine.start(cfg, lay, self.devices)
-                if on_start is not None:
-                    on_start(lay, time.perf_counter() - t0)
+            for lay in self.candidates[: self.resident]:
+                self._start(lay)
         except BaseException:
             self.close()
             raise
@@ -339,52 +387,109 @@ class EnginePool:
         """A pool of engines built elsewhere (one already-running engine, simulated replicas)."""
         pool = cls.__new__(cls)
         pool.cfg = cfg if cfg is not None else EngineConfig()
+        pool.device = "cpu"
         pool.devices = []
+        pool.candidates = tuple(engines)
+        pool.resident = len(engines)
+        pool.on_start = None
         pool.engines = dict(engines)
+        pool._weights = None
+        pool._closed_preemptions = 0
+        pool._warm = False
         return pool
 
-    def warm(self) -> dict[str, float]:
-        """Run one short request through every replica of every layout: a fresh engine's first
-        steps pay one-off set-up (seconds on a CPU) that a layout switch must not."""
+    def _start(self, lay: Layout) -> LayoutEngine:
+        """Start ``lay``'s engines (with the last pushed weights), after checking GPU memory."""
+        if self.device == "cuda":
+            self._check_gpus(lay)
+        t0 = time.perf_counter()
+        eng = LayoutEngine.start(self.cfg, lay, self.devices)
+        self.engines[lay] = eng
+        if self._weights is not None:
+            eng.load_weights(iter(self._weights))
+        if self._warm:
+            _warm_up(lay, eng)
+        if self.on_start is not None:
+            self.on_start(lay, time.perf_counter() - t0)
+        return eng
 
-        out = {}
-        for lay, eng in self.engines.items():
-            t0 = time.perf_counter()
-            for i in range(lay.dp * 2):
-                eng.add_request(
-                    GenerationRequest(
-                        f"warm/{lay.name}/{time.time_ns()}/{i}",
-                        Prompt("warm", tuple(range(1, 33))),
-                        0,
-                        SamplingSpec(max_tokens=8, ignore_eos=True),
-                    )
+    def _check_gpus(self, lay: Layout) -> None:
+        """Refuse ``lay`` when its GPUs, with the started layouts' engines, cannot hold it."""
+        placed = {
+            f"{other.name}/r{i}": group
+            for other in (*self.engines, lay)
+            for i, group in enumerate(device_groups(other, self.devices))
+        }
+        util = self.cfg.gpu_memory_utilization
+        check_gpu_shares(placed, util)
+        gpus = self.devices[: lay.devices]
+        deadline = time.monotonic() + GPU_FREE_WAIT_S
+        while True:
+            memory = gpu_memory(gpus)
+            short = [g for g in gpus if memory[g][0] < util * memory[g][1]]
+            if not short or time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
+        check_gpu_shares(placed, util, gpus, memory)
+
+    def _make_room(self) -> None:
+        while len(self.engines) >= self.resident:
+            lay, eng = next(iter(self.engines.items()))
+            if eng.held():
+                raise EngineError(
+                    f"layout {lay.name} must close to make room for another ({self.resident} fit on "
+                    f"the GPUs at engine.gpu_memory_utilization = {self.cfg.gpu_memory_utilization}) "
+                    f"but serves {len(eng.held())} requests; change layouts between rounds"
                 )
-            while eng.has_unfinished():
-                eng.step()
-            out[lay.name] = time.perf_counter() - t0
-        return out
+            log.info("closing layout %s to start another (%d fit at once)", lay.name, self.resident)
+            self._closed_preemptions += eng.num_preemptions()
+            del self.engines[lay]
+            eng.close()
+
+    def warm(self) -> dict[str, float]:
+        """Run one short request through every replica of every started layout: a fresh engine's
+        first steps pay one-off set-up (seconds on a CPU) that a layout switch must not. Layouts
+        started later (on GPUs, on demand) are warmed as they start."""
+
+        self._warm = True
+        return {lay.name: _warm_up(lay, eng) for lay, eng in self.engines.items()}
 
     def __getitem__(self, layout: Layout) -> LayoutEngine:
-        if layout not in self.engines:
-            have = ", ".join(lay.name for lay in self.engines) or "none"
+        """``layout``'s engines, started now (closing the least recently used layout) if they
+        are not running."""
+        eng = self.engines.pop(layout, None)
+        if eng is not None:
+            self.engines[layout] = eng  # the most recently used now
+            return eng
+        if layout not in self.candidates:
+            have = ", ".join(lay.name for lay in self.candidates) or "none"
             raise EngineError(f"layout {layout.name} is not in the engine pool (it has {have})")
-        return self.engines[layout]
+        self._make_room()
+        return self._start(layout)
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
+        """Every candidate layout, started or not."""
+        return self.candidates
+
+    @property
+    def started(self) -> tuple[Layout, ...]:
+        """The layouts whose engines are running now (a switch inside a round picks among them)."""
         return tuple(self.engines)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         weights = list(named_tensors)  # each replica's engine takes its own copy
         for eng in self.engines.values():
             eng.load_weights(iter(weights))
+        if self.resident < len(self.candidates):  # a layout started later serves them too
+            self._weights = weights
 
     def forget_cached(self) -> None:
         for eng in self.engines.values():
             forget_cached(eng)
 
     def num_preemptions(self) -> int:
-        return sum(e.num_preemptions() for e in self.engines.values())
+        return self._closed_preemptions + sum(e.num_preemptions() for e in self.engines.values())
 
     @property
     def dead(self) -> bool:
@@ -604,7 +709,7 @@ class SwitchingEngine:
                 self.current,
                 loads,
                 bound,
-                candidates=self.pool.layouts,
+                candidates=self.pool.started,  # a switch never waits for engines to start
                 min_gain_s=self.min_gain_s,
             )
         if d.switch:

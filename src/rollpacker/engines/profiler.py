@@ -37,6 +37,7 @@ from rollpacker.core.latency import (
 )
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
+from rollpacker.engines.gpus import engine_device, gpu_name, visible_gpus
 from rollpacker.engines.layout import EnginePool, LayoutEngine
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -110,6 +111,9 @@ def copy_bandwidth_bps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
         dst.copy_(src)
         sync()
         best = min(best, time.perf_counter() - t0)
+    if src.is_cuda:  # back to the engines that share these GPUs (the allocator would keep it)
+        del src, dst
+        torch.cuda.empty_cache()
     return nbytes / best
 
 
@@ -211,7 +215,7 @@ def profile_engines(
         layouts = [_profile_layout(pool[lay], lay, cfg, spec, rng, say) for lay in spec.layouts]
         return ProfileTable(
             model=Path(cfg.model_dir).name,
-            hardware=_hardware(),
+            hardware=_hardware(cfg.device),
             kv_bytes_per_token=kv_bytes_per_token(cfg.model_dir, cfg.dtype),
             migration_bandwidth_bps=copy_bandwidth_bps(),
             layouts=tuple(layouts),
@@ -261,11 +265,11 @@ def _profile_layout(
     return LayoutProfile(layout=lay, points=tuple(points), kv_capacity_tokens=cap, startup_s=eng.startup_s)
 
 
-def _hardware() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+def _hardware(device: str = "auto") -> str:
+    if engine_device(device) == "cuda":
+        # NVML, not torch.cuda: a CUDA context here would hold memory on a GPU the engines share
+        gpus = visible_gpus()
+        return f"{len(gpus)}x {gpu_name(gpus[0])}" if gpus else "no GPU"
     import os
 
     return f"{len(os.sched_getaffinity(0))} CPU cores ({platform.processor() or platform.machine()})"
@@ -351,7 +355,10 @@ def profile_and_check(
     table = profile_engines(pool.cfg, spec, pool=pool, progress=progress)
     pred = Predictor(table)
     errors = {}
-    for lay in pool.layouts:
+    # started layouts first, the most recent first: on GPUs, where one layout may be started at a
+    # time, every other one costs an engine start
+    started = tuple(reversed(pool.started))
+    for lay in (*started, *(lay for lay in pool.layouts if lay not in started)):
         sp = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
         reqs = [
             GenerationRequest(f"held-out/{lay.name}/{time.time_ns()}/{i}", p, 0, sp)
@@ -367,7 +374,7 @@ def profile_and_check(
         )
     return {
         "table": asdict(table),
-        "validation": errors,
+        "validation": {lay.name: errors[lay.name] for lay in pool.layouts},
         "seconds": time.perf_counter() - t0,
         "prompt_tokens_mean": sum(len(p.token_ids) for p in held_out) / max(len(held_out), 1),
     }

@@ -35,6 +35,7 @@ from rollpacker.core.types import (
     GenerationRequest,
     RequestUpdate,
 )
+from rollpacker.engines.gpus import engine_device
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_ON_CPU = os.environ.get("ROLLPACKER_VLLM_DEVICE", "cpu") == "cpu"
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
@@ -142,14 +142,58 @@ USED_IDS_KEPT = 1 << 16
 def _set_vllm_env(cfg: EngineConfig, in_process: bool) -> None:
     """The environment vLLM reads at start: KV cache size on CPU (a whole number of GiB), log
     level, and whether the engine core runs in this process."""
-    if _ON_CPU and not float(cfg.kv_cache_gib).is_integer():
-        raise EngineError(
-            f"engine.kv_cache_gib = {cfg.kv_cache_gib}: vLLM on CPU takes a whole number of GiB "
-            "(VLLM_CPU_KVCACHE_SPACE); use 1 or more"
-        )
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
+    if engine_device(cfg.device) == "cpu":
+        if not float(cfg.kv_cache_gib).is_integer():
+            raise EngineError(
+                f"engine.kv_cache_gib = {cfg.kv_cache_gib}: vLLM on CPU takes a whole number of GiB "
+                "(VLLM_CPU_KVCACHE_SPACE); use 1 or more"
+            )
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", _fmt_gib(cfg.kv_cache_gib))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+def cuda_graphs_on(cfg: EngineConfig, device: str) -> bool:
+    """``engine.cuda_graphs``: auto captures CUDA graphs on CUDA (decode steps replay them instead
+    of launching every kernel) and runs eagerly on CPU, where vLLM has no graphs."""
+    if cfg.cuda_graphs == "auto":
+        return device == "cuda"
+    if cfg.cuda_graphs and device != "cuda":
+        raise EngineError("engine.cuda_graphs = true needs vLLM on CUDA; use auto or false on CPU")
+    return bool(cfg.cuda_graphs)
+
+
+def engine_args(
+    model_dir: Path, cfg: EngineConfig, device: str, speculative: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``EngineArgs`` for ``cfg`` on ``device`` (cpu or cuda)."""
+    args: dict[str, Any] = dict(
+        model=str(model_dir),
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        # TP workers as processes (Ray is the cluster's, not the engine's, scheduler here).
+        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
+        seed=cfg.seed,
+        disable_log_stats=False,
+        enforce_eager=not cuda_graphs_on(cfg, device),
+        # Off on every device. vLLM turns async scheduling on by default on CUDA: the core then
+        # schedules step n+1 before step n's tokens are back, and step() returns each batch's
+        # outputs one call late. The round driver times each step() as the step that produced its
+        # tokens, the profiler fits decode latency per batch to those times, an abort is honoured
+        # a step later, and tail batching's "first R0 to finish" reads finish order per step: all
+        # of them would be shifted by a step. Synchronous scheduling keeps them exact on GPUs as on
+        # CPU (where vLLM has no async scheduling) for a few per cent of decode throughput.
+        async_scheduling=False,
+        # Behaviour logprobs after temperature (what the token was sampled from), so the
+        # trainer's PPO ratio compares like with like at any temperature.
+        logprobs_mode="processed_logprobs",
+        speculative_config=speculative,
+    )
+    if device == "cuda":  # on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (engine.kv_cache_gib)
+        args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return args
 
 
 def _start_llm_engine(
@@ -167,29 +211,22 @@ def _start_llm_engine(
         os.environ[ENV] = speculation_env(cfg.speculation, step_curve)  # an engine core process inherits it
         speculative = vllm_speculative_config(cfg.speculation)
 
-    args = EngineArgs(
-        model=str(model_dir),
-        dtype=cfg.dtype,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        # TP workers as processes (Ray is the cluster's, not the engine's, scheduler here).
-        distributed_executor_backend="mp" if cfg.tensor_parallel_size > 1 else None,
-        seed=cfg.seed,
-        disable_log_stats=False,
-        enforce_eager=True,
-        # Behaviour logprobs after temperature (what the token was sampled from), so the
-        # trainer's PPO ratio compares like with like at any temperature.
-        logprobs_mode="processed_logprobs",
-        speculative_config=speculative,
-    )
+    device = engine_device(cfg.device)
+    args = EngineArgs(**engine_args(model_dir, cfg, device, speculative))
     try:
         return LLMEngine.from_engine_args(args, stat_loggers=[_make_logger_factory(collector)])
     except Exception as e:  # vLLM raises many types; name the config that failed
+        if device == "cuda":
+            hint = (
+                f"On CUDA lower max_num_seqs / max_model_len, or raise engine.gpu_memory_utilization "
+                f"(it is {cfg.gpu_memory_utilization}) if the GPU holds nothing else."
+            )
+        else:
+            hint = "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
         raise EngineError(
-            f"vLLM failed to start on {model_dir} (max_num_seqs={cfg.max_num_seqs}, "
-            f"max_model_len={cfg.max_model_len}, kv_cache_gib={cfg.kv_cache_gib}): {e}. "
-            "On CPU lower max_model_len or raise kv_cache_gib (VLLM_CPU_KVCACHE_SPACE)."
+            f"vLLM failed to start on {model_dir} ({device}, max_num_seqs={cfg.max_num_seqs}, "
+            f"max_model_len={cfg.max_model_len}, kv_cache_gib={cfg.kv_cache_gib}, "
+            f"tensor_parallel_size={cfg.tensor_parallel_size}): {e}. {hint}"
         ) from e
 
 
@@ -234,6 +271,7 @@ class VLLMEngine:
     ) -> None:
         model_dir = check_model_dir(cfg.model_dir)
         self.cfg = cfg
+        self._on_cpu = engine_device(cfg.device) == "cpu"
         _set_vllm_env(cfg, in_process)
         self._collector = _StatsCollector()
         self._in_process = in_process
@@ -368,7 +406,7 @@ class VLLMEngine:
             )
         # Per-request seeds crash vllm-cpu 0.32 when a prefill is chunked ("CPU Generator does
         # not use offset"); on CPU the engine-wide seed (engine.seed) governs sampling instead.
-        seed = sp.seed if not _ON_CPU else None
+        seed = sp.seed if not self._on_cpu else None
         params = SamplingParams(
             n=1,
             max_tokens=sp.max_tokens,

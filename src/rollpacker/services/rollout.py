@@ -56,6 +56,7 @@ from rollpacker.core.scaledown import LengthHistory
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Completion, Group, SamplingSpec
+from rollpacker.engines.gpus import engine_device
 from rollpacker.engines.layout import (
     EnginePool,
     LayoutEngine,
@@ -135,7 +136,11 @@ class RolloutService(Service, RolloutAPI):
             cfg = self.cfg
             ecfg = dataclasses.replace(cfg.engine, model_dir=str(model_dir), seed=cfg.seed + cfg.engine.seed)
             ecfg = _without_idle_speculation(ecfg, cfg.rollout.temperature)
-            self.engine = self._start_layouts(ecfg) if cfg.planner.devices else VLLMEngine(ecfg)
+            if cfg.planner.devices:
+                self.engine = self._start_layouts(ecfg, state.tp_plan.short_tp)
+            else:
+                rollout_devices(ecfg, 0, self._given_gpus())  # refuses idle GPUs
+                self.engine = VLLMEngine(ecfg)
             self._restore_drafts()
             started = True
         else:
@@ -174,23 +179,38 @@ class RolloutService(Service, RolloutAPI):
             )
         return self.engine
 
-    def _start_layouts(self, ecfg: Any) -> Any:
-        """The warm engines of every layout of ``planner.devices`` devices, behind a switching
-        engine (the round's TP picks the layout; PAT may switch inside the round)."""
+    def _start_layouts(self, ecfg: Any, first_tp: int = 0) -> Any:
+        """The engines of every layout of ``planner.devices`` devices, behind a switching engine
+        (the round's TP, from the state's TP plan, picks the layout; PAT may switch inside the
+        round). The layout of ``first_tp`` (the state's short-round TP; 0: planner.initial_tp)
+        starts first: on GPUs it may be the only one started (``resident_layouts``)."""
 
         pc = self.cfg.planner
-        devices = node_devices()
-        if len(devices) < pc.devices:
-            raise RollpackerError(
-                f"planner.devices = {pc.devices} but this node offers {len(devices)} "
-                f"({','.join(devices)}); lower planner.devices"
-            )
-        pool = EnginePool(ecfg, layouts_for(pc.devices, pc.max_tp), devices[: pc.devices])
+        devices = rollout_devices(ecfg, pc.devices, self._given_gpus())
+        tp = max(pc.min_tp, min(first_tp or pc.initial_tp, pc.max_tp, pc.devices))
+        initial = Layout(tp, pc.devices // tp)
+        # the planner never leaves [min_tp, max_tp]: a layout outside it would never serve
+        others = [lay for lay in layouts_for(pc.devices, pc.max_tp) if lay.tp >= pc.min_tp and lay != initial]
+        layouts = (initial, *others)
+        pool = EnginePool(ecfg, layouts, devices)
         pool.warm()
-        initial = Layout(pc.initial_tp, pc.devices // pc.initial_tp)
         return SwitchingEngine(
             pool, None, initial, check_every=pc.check_every, min_gain_s=pc.min_gain_s, enabled=False
         )
+
+    @staticmethod
+    def _given_gpus() -> list[str] | None:
+        """The GPUs Ray gave this actor (``ray.get_gpu_ids()``), None outside a Ray worker."""
+        import sys
+
+        ray = sys.modules.get("ray")  # a Ray actor has it loaded; in-process services do not
+        if ray is None or not ray.is_initialized():
+            return None
+        try:
+            ids = ray.get_gpu_ids()
+        except Exception:  # the driver, not a worker
+            return None
+        return [str(i) for i in ids] or None
 
     def _predictor(self, profile_uri: str) -> Any:
         """The latency predictor of the state's profile (cached per URI), or None without one."""
@@ -615,6 +635,34 @@ class _RewardCalls:
 
     def group(self, g: Group) -> None:
         self._peer(g.prompt.prompt_id).group(self.attempt, g, self._decode(g))
+
+
+def rollout_devices(ecfg: Any, planned: int, given_gpus: Sequence[str] | None = None) -> list[str]:
+    """The devices the rollout engines use: ``planned`` (``planner.devices``; 0: one engine of
+    ``engine.tensor_parallel_size``) of this node's. On CUDA they are exactly the GPUs this service
+    was given (Ray's ``get_gpu_ids()``, else the visible ones), so engines x TP use every one of
+    them; a mismatch is refused, since a GPU left out sits idle for the whole run."""
+    if engine_device(ecfg.device) != "cuda":
+        cores = node_devices(ecfg.device)
+        if len(cores) < planned:
+            raise RollpackerError(
+                f"planner.devices = {planned} but this node offers {len(cores)} ({','.join(cores)}); "
+                "lower planner.devices"
+            )
+        return cores[:planned]
+    have = list(given_gpus) if given_gpus else node_devices(ecfg.device)
+    need = planned or ecfg.tensor_parallel_size
+    if len(have) != need:
+        tp = ecfg.tensor_parallel_size
+        what = (
+            f"planner.devices = {planned}" if planned else f"one engine of engine.tensor_parallel_size = {tp}"
+        )
+        raise RollpackerError(
+            f"the rollout service holds {len(have)} GPUs ({','.join(have)}) but {what} uses {need}: "
+            f"set planner.devices = {len(have)} (engines x TP = the rollout GPUs), or give the rollout "
+            "service that many GPUs"
+        )
+    return have
 
 
 def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
