@@ -42,12 +42,12 @@ def test_a_service_asks_for_exactly_the_gpus_it_uses() -> None:
     cfg = _cluster()
     assert cfg.services.gpus.rollout == 8 and cfg.services.arms is ArmSchedule.SEQUENTIAL
     a = arm_gpus(cfg, "sync")
-    # no layouts: one engine of engine.tensor_parallel_size; the megatron driver none, its 8 ranks 1 each
-    assert (a.rollout, a.judge, a.trainer, a.gang) == (1, 1, 0, 8)
-    assert a.by_group() == {"rollout": 1, "training": 8, "judge": 1}
-    # layouts: engines x TP = planner.devices
-    assert arm_gpus(_cluster(**{"planner.devices": 8}), "sync").rollout == 8
-    assert arm_gpus(_cluster(**{"engine.tensor_parallel_size": 2}), "sync").rollout == 2
+    # layouts: engines x TP = planner.devices; the megatron driver none, its 8 ranks 1 each
+    assert (a.rollout, a.judge, a.trainer, a.gang) == (8, 1, 0, 8)
+    assert a.by_group() == {"rollout": 8, "training": 8, "judge": 1}
+    # no layouts: one engine of engine.tensor_parallel_size
+    assert arm_gpus(_cluster(**{"planner.devices": 0}), "sync").rollout == 1
+    assert arm_gpus(_cluster(**{"planner.devices": 0, "engine.tensor_parallel_size": 2}), "sync").rollout == 2
     # the torch trainer's actor holds its GPU itself
     torch = arm_gpus(_cluster(**{"train.backend": "torch"}), "sync")
     assert (torch.trainer, torch.gang, torch.actor_gpus("trainer")) == (1, 0, 1)
@@ -67,6 +67,12 @@ def test_sequential_needs_the_largest_arm_to_fit_and_disjoint_the_sum() -> None:
     assert [a.arm for a in plan.arms] == ["sync", "tail_batching"]
     assert "sequential" in plan.describe()
     disjoint = _cluster(**{"services.arms": "disjoint"})
+    with pytest.raises(PlacementError) as e:
+        plan_placement(disjoint, disjoint.arm_names, declared_capacity(disjoint), "services.gpus")
+    msg = str(e.value)
+    assert "needs 16 GPUs together in the rollout worker group" in msg and "planner.devices" in msg
+    half = {"services.arms": "disjoint", "planner.devices": 4, "planner.max_tp": 4}
+    disjoint = _cluster(**half)  # the rollout groups fit (4 + 4), the training gangs do not
     with pytest.raises(PlacementError) as e:
         plan_placement(disjoint, disjoint.arm_names, declared_capacity(disjoint), "services.gpus")
     msg = str(e.value)
@@ -110,8 +116,8 @@ def test_without_role_resources_every_gpu_is_one_pool() -> None:
     assert cap == {ONE_POOL: GroupCapacity(8.0, 8.0)}
     cfg = _cluster(**{"services.role_resources": False, "train.megatron.resource": ""})
     assert declared_capacity(cfg) == {ONE_POOL: GroupCapacity(17.0, 17.0)}
-    with pytest.raises(PlacementError, match=r"needs 10 GPUs .* pool \(services.role_resources: false\)"):
-        plan_placement(cfg, ["sync"], cap, "Ray's alive nodes")  # 1 rollout + 8 gang + 1 judge > 8
+    with pytest.raises(PlacementError, match=r"needs 17 GPUs .* pool \(services.role_resources: false\)"):
+        plan_placement(cfg, ["sync"], cap, "Ray's alive nodes")  # 8 rollout + 8 gang + 1 judge > 8
 
 
 def test_a_gang_without_the_training_resource_is_refused_on_a_cluster() -> None:

@@ -256,13 +256,13 @@ def test_arms_the_declared_gpus_cannot_hold_are_refused_before_anything_is_sent(
 
     fake, url = kfp_server
     said: list[str] = []
-    with pytest.raises(PlacementError, match="needs 16 GPUs together in the training worker group"):
+    with pytest.raises(PlacementError, match="needs 16 GPUs together in the rollout worker group"):
         submit(
             url, Path("cluster"), overrides={"services.arms": "disjoint"}, out_dir=tmp_path, log=said.append
         )
     assert fake.requests == [] and not (tmp_path / "rl_experiment.yaml").exists()
     submit(url, Path("cluster"), steps=1, arms=["sync"], out_dir=tmp_path, log=said.append)
-    assert "services.arms: sequential; GPUs per arm (sync: rollout 1, training 8, judge 1)" in said[0]
+    assert "services.arms: sequential; GPUs per arm (sync: rollout 8, training 8, judge 1)" in said[0]
 
 
 def test_the_cluster_configs_gpus_are_the_gpu_overlays(
