@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class JudgeConfig:
-    device: str = "cpu"
+    device: str = "cpu"  # a torch device: cpu, cuda, cuda:N (rewards.factory resolves "auto")
+    dtype: str = "float32"  # the weights on the device: float32 | bfloat16 | float16
     max_batch: int = 16  # requests scored together at most
     resident_layers: int | None = None  # offload all but the first k layers (None: see below)
     memory_budget_bytes: int | None = None  # choose k per batch from this budget (None: fixed k)
@@ -118,10 +119,11 @@ class JudgeReward(RewardFunction, ClosesOnExit):
                 n_buffers=cfg.n_buffers,
                 mode=cfg.offload_mode,
                 device=cfg.device,
+                dtype=cfg.dtype,
             )
             self.model: Any = self.offload.model
         else:
-            self.model = load_resident(self.model_dir, cfg.device)
+            self.model = load_resident(self.model_dir, cfg.device, cfg.dtype)
         self.batches = 0  # batches scored (a counter for metrics and tests)
         self.resident_layers_used: list[int] = []  # k of each batch scored offloaded
         self._cv = threading.Condition()
