@@ -121,3 +121,40 @@ def test_the_judge_runs_in_its_dtype_and_the_offload_plans_with_its_bytes(model_
         assert off.layer_bytes * 2 == off.host.layer_bytes(0)  # the file holds float32
         assert streamed.score_prompts(prompts) == pytest.approx(got, abs=1e-6)  # = the resident bf16 judge
         assert off.stats().peak_resident_weight_bytes == off.expected_weight_bytes()
+
+
+def test_a_configured_judge_reads_the_whole_exchange_and_answers_yes_or_no(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A judge model without ``judge.json`` (not the toy judge) gets the problem, the reference and
+    the response in full, in its chat template, and P(yes) is read from the yes/Yes against the
+    no/No tokens; the toy judge's 12-character tails would cut an open-ended answer to its end."""
+    import json
+    import shutil
+
+    import torch
+
+    from rollpacker.tasks.judge_task import InstructPromptFormat, instruct_verdict_ids
+
+    chat = tmp_path / "chat-judge"
+    shutil.copytree(model_dir, chat)
+    tc = json.loads((chat / "tokenizer_config.json").read_text())
+    tc["chat_template"] = "{% for m in messages %}<u>{{ m['content'] }}</u>{% endfor %}<a>"
+    (chat / "tokenizer_config.json").write_text(json.dumps(tc))
+    problem, response = "Why is the sky blue?", "Rayleigh scattering: short wavelengths scatter more."
+    reference = "Because air molecules scatter blue light more than red (Rayleigh scattering)."
+    with JudgeReward(chat) as judge:
+        assert isinstance(judge.prompt_format, InstructPromptFormat)
+        text = judge.render(problem, response, reference)
+        assert text.startswith("<u>Problem:\nWhy is the sky blue?") and text.endswith(
+            "Answer yes or no.</u><a>"
+        )
+        assert response in text and reference in text
+        got = judge.score(problem, response, reference)
+        ids = judge.tokenizer.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            logits = judge.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+    yes, no = instruct_verdict_ids(judge.tokenizer)
+    want = torch.stack((logits[list(yes)].logsumexp(0), logits[list(no)].logsumexp(0))).softmax(0)[0]
+    assert set(yes) >= {judge.tokenizer.encode("y")[0], judge.tokenizer.encode("Y")[0]}
+    assert got == pytest.approx(float(want), abs=1e-5)
