@@ -158,3 +158,29 @@ def test_a_configured_judge_reads_the_whole_exchange_and_answers_yes_or_no(
     want = torch.stack((logits[list(yes)].logsumexp(0), logits[list(no)].logsumexp(0))).softmax(0)[0]
     assert set(yes) >= {judge.tokenizer.encode("y")[0], judge.tokenizer.encode("Y")[0]}
     assert got == pytest.approx(float(want), abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_cluster_judge_on_a_real_gpu_equals_the_resident_judge(model_dir: Path) -> None:
+    """On a GPU: the cluster config's judge (cuda, bfloat16, the budget offload) streams layers
+    from pinned memory and scores as the resident bfloat16 judge does."""
+    import torch
+
+    from rollpacker.rewards.judge import JudgeConfig
+    from rollpacker.tasks.judge_task import judge_pairs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = config_from_text(
+        CLUSTER, overrides={"reward.judge.model": str(model_dir), "reward.judge.memory_budget_mb": 7}
+    )
+    got_dir, jc = judge_settings(cfg)  # 7 MB: k = 0 of 4 layers for this model and batch (plan)
+    prompts = [p.prompt() for p in judge_pairs(8, seed=3)]
+    with JudgeReward(got_dir, jc) as judge, JudgeReward(got_dir, JudgeConfig("cuda", "bfloat16")) as resident:
+        assert judge.offload is not None and judge.offload.device.type == "cuda"
+        scores = judge.score_prompts(prompts)
+        assert judge.resident_layers_used[-1] < judge.offload.num_layers  # layers were streamed
+        assert all(
+            t.is_pinned() and t.dtype == torch.bfloat16 for d in judge.offload.host.layers for t in d.values()
+        )
+        assert scores == pytest.approx(resident.score_prompts(prompts), abs=1e-3)

@@ -72,3 +72,25 @@ def test_the_service_refuses_a_cpu_fallback_on_a_gpu_config(tmp_path: Path, monk
     with pytest.raises(ConfigError, match=r"train\.device: auto found no GPU.*reward\.judge\.device: cuda"):
         svc.begin("a0", state, base)
     svc.close()
+
+
+@pytest.mark.gpu
+def test_the_torch_backend_trains_on_a_real_gpu_in_bfloat16(small_model_dir: Path, tmp_path: Path) -> None:
+    """On a GPU: auto is cuda, the update runs there in bfloat16, and its checkpoint reloads."""
+    from tests.trainers.conftest import make_batch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = TrainerConfig(dtype="bfloat16")
+    device, dtype = train_placement(cfg, ("train.device: cuda",))
+    tr = TorchTrainer(small_model_dir, cfg, dtype=dtype, device=device)
+    assert {(p.device.type, p.dtype) for p in tr.model.parameters()} == {("cuda", torch.bfloat16)}
+    tr.accumulate([s for g in make_batch(2, 4, seed=0) for s in g])
+    stats = tr.finish_step()
+    assert stats.policy_version == 1 and torch.isfinite(torch.tensor(stats.loss))
+    ck = tr.save_checkpoint(tmp_path / "ck")
+    again = TorchTrainer(ck / "model", cfg, dtype=dtype, device=device)
+    again.load_checkpoint(ck)
+    assert all(
+        torch.equal(a, b) for a, b in zip(again.model.parameters(), tr.model.parameters(), strict=True)
+    )
