@@ -6,15 +6,14 @@ given how many GPUs that process sees (the caller asks torch, so this module sta
 ``auto`` is ``cuda`` when a GPU is visible, else ``cpu``; ``cpu`` is obeyed as written.
 
 A config *declares GPUs* when one of its settings puts work on a GPU
-(``ExperimentConfig.gpu_declarations``):
-``train.megatron.gpus_per_rank`` > 0 under ``train.backend: megatron``, a ``cuda`` device in
-``train.device`` or ``reward.judge.device``. On such a config (the gpu overlay's
-``configs/cluster.yaml``):
+(``ExperimentConfig.gpu_declarations``): ``train.megatron.gpus_per_rank`` > 0 under
+``train.backend: megatron``, a ``cuda`` device in ``train.device`` or ``reward.judge.device``.
+On such a config (the gpu overlay's ``configs/cluster.yaml``):
 
 - the toy judge (``reward.judge.model`` unset: the tiny ``reward.judge.preset`` warmed up on the
   judge's pod on the synthetic math task) is refused when the task may hold judge prompts
-  (``toy_judge_problem``); the error names the preset and says to set ``reward.judge.model`` and
-  ``reward.judge.device``;
+  (``check_judge``, which also keeps a judge model URI in the experiment's store); the error
+  names the preset and says to set ``reward.judge.model`` and ``reward.judge.device``;
 - a device ``auto`` that finds no GPU is refused (the pod sees none: a CPU pool, no device plugin,
   a CPU image); an explicit ``cpu`` is obeyed.
 

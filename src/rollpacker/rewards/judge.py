@@ -171,8 +171,7 @@ class JudgeReward(RewardFunction, ClosesOnExit):
         if not self._chat:
             return text
         msgs = [{"role": "user", "content": text}]
-        out: str = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        return out
+        return str(self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
 
     # -- RewardFunction --------------------------------------------------------------------------
 
