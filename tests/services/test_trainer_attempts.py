@@ -13,7 +13,8 @@ from tests.services.test_scaledown_runtime import _group, _TrainerPeers, start_s
 from tests.small_model import build_small_model
 
 
-def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: str = ""):  # type: ignore[no-untyped-def]
+    """A trainer service on a file store holding the small model; ``extra``: more config YAML."""
     from rollpacker.core.config import StoreConfig
     from rollpacker.services.trainer import TrainerService
     from rollpacker.store import open_store
@@ -21,7 +22,7 @@ def _service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[n
     monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
     store = open_store(StoreConfig(endpoint=f"file://{tmp_path / 'store'}"))
     base = store.upload_dir(build_small_model(tmp_path / "model"), "t/base/")
-    text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\n'
+    text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\n{extra}'
     svc = TrainerService(text, "sync")
     svc.bind(_TrainerPeers())
     state = start_state("t", "sync", base)

@@ -22,6 +22,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rollpacker.core.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, RewardShaping
+from rollpacker.core.devices import (
+    JUDGE_DTYPES,
+    TRAIN_DTYPES,
+    check_device_setting,
+    check_judge,
+    gpu_declarations,
+)
 from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.planner import PlannerConfig
@@ -368,10 +375,17 @@ class TrainerConfig:
     overlong_filter: bool = False  # truncated responses left out of the loss
     backend: str = "torch"  # torch (one device) | megatron (a TP/PP/DP gang: train.megatron)
     megatron: MegatronConfig = dataclasses.field(default_factory=MegatronConfig)
+    # the torch backend's device and dtype (megatron: train.megatron); auto = cuda when the trainer
+    # sees a GPU, and refused when it sees none on a config that declares GPUs (docs/training.md)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "float32"  # float32 | bfloat16 (as the engine samples on GPUs: engine.dtype)
 
     def __post_init__(self) -> None:
         if self.backend not in ("torch", "megatron"):
             raise ConfigError(f"train.backend = {self.backend!r}: use 'torch' or 'megatron'")
+        check_device_setting("train.device", self.device)
+        if self.dtype not in TRAIN_DTYPES:
+            raise ConfigError(f"train.dtype = {self.dtype!r}: use one of {', '.join(TRAIN_DTYPES)}")
         if self.backend == "megatron" and self.kl_coef > 0:
             raise ConfigError(
                 f"train.kl_coef = {self.kl_coef} with train.backend: megatron: the megatron backend has "
@@ -546,17 +560,36 @@ class SandboxConfig:
         return TimeoutConfig(adaptive=self.adaptive, lam=self.lam, t_min_s=self.t_min_s, t_max_s=self.t_max_s)
 
 
+# a judge model in the store: s3://<bucket>/<key prefix> or file://<path>, never just the bucket
+_STORE_URI = re.compile(r"s3://[^/\s]+/(?=\S*[^/\s])\S*|file://(?=\S*[^/\s])\S*")
+
+
 @dataclass(frozen=True)
 class JudgeRewardConfig:
     """Judge rewards: the colocated LLM judge and its layer-wise offload (docs/judge.md)."""
 
-    preset: str = "micro"  # tiny-model preset the judge is warmed up from
+    # the judge model: a Hugging Face directory on the judge's pod, or a URI in the experiment's
+    # store (s3://<store.bucket>/<prefix>/, file://... for a file store) that the judge downloads;
+    # "" = the toy judge: the tiny `preset` warmed up on the pod (refused on a GPU config)
+    model: str = ""
+    device: str = "auto"  # auto (cuda when a GPU is visible) | cpu | cuda | cuda:N
+    dtype: str = "float32"  # the judge's weights on its device: float32 | bfloat16 | float16
+    preset: str = "micro"  # tiny-model preset the toy judge is warmed up from
     warmup_steps: int = 150  # supervised judge warm-up steps (cached)
     max_batch: int = 16  # requests scored together at most
     resident_layers: int = -1  # -1: every layer resident; k >= 0: stream all but the first k
     memory_budget_mb: float = 0.0  # > 0: choose k per batch from this budget instead
 
     def __post_init__(self) -> None:
+        check_device_setting("reward.judge.device", self.device)
+        if self.dtype not in JUDGE_DTYPES:
+            raise ConfigError(f"reward.judge.dtype = {self.dtype!r}: use one of {', '.join(JUDGE_DTYPES)}")
+        m = self.model
+        if not isinstance(m, str) or m != m.strip() or ("://" in m and not _STORE_URI.fullmatch(m)):
+            raise ConfigError(
+                f"reward.judge.model = {m!r}: give a Hugging Face directory on the judge's pod, or a URI in "
+                "the experiment's store with a prefix (s3://<bucket>/<prefix>/, file://<root>/<prefix>)"
+            )
         _positive_int("reward.judge.warmup_steps", self.warmup_steps)
         _positive_int("reward.judge.max_batch", self.max_batch)
         if isinstance(self.resident_layers, bool) or self.resident_layers < -1:
@@ -862,6 +895,26 @@ class ExperimentConfig:
                 f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
                 f"train.stream: true (it is {str(self.train.stream).lower()})"
             )
+        j = self.reward.judge
+        check_judge(  # the toy judge on a config that declares GPUs; a judge model outside the store
+            model=j.model,
+            preset=j.preset,
+            task=self.task.name,
+            declared=self.gpu_declarations,
+            bucket=self.store.bucket,
+            file_store=self.store.file_root,
+        )
+
+    @property
+    def gpu_declarations(self) -> tuple[str, ...]:
+        """The settings that put work on a GPU, as ``key: value`` (empty: a CPU config; core/devices.py)."""
+        t = self.train
+        return gpu_declarations(
+            backend=t.backend,
+            megatron_gpus_per_rank=t.megatron.gpus_per_rank,
+            train_device=t.device,
+            judge_device=self.reward.judge.device,
+        )
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"

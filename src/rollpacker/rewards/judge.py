@@ -2,11 +2,12 @@
 
 ``JudgeReward`` scores ``judge`` examples: it builds the judge prompt from (the example's prompt,
 the response, the example's ``reference`` response) in the format the judge was warmed up with
-(``rollpacker.tasks.judge_task.JudgePromptFormat``, read from the judge's ``judge.json``),
-runs the judge model and reads the probability of ``yes`` at the answer position: ``reward =
-P(yes)`` in [0, 1], ``correct = P(yes) > 0.5``, status ``OK``. The judge is a tiny Qwen2 warmed up
-locally by ``judge_task.warm_up_judge``; any HF causal LM directory with a byte-level tokenizer
-works.
+(``rollpacker.tasks.judge_task.JudgePromptFormat``, read from the judge's ``judge.json``), or,
+for a judge without one (a configured instruction-tuned LM), ``InstructPromptFormat`` in the
+tokenizer's chat template; runs the judge model and reads the probability of ``yes`` at the
+answer position: ``reward = P(yes)`` in [0, 1], ``correct = P(yes) > 0.5``, status ``OK``. The
+toy judge is a tiny Qwen2 warmed up locally by ``judge_task.warm_up_judge``; any HF causal LM
+directory works.
 
 Scoring is asynchronous: ``submit`` queues the request and returns a ``Future`` at once; one
 background thread takes every queued request (up to ``max_batch``), scores them as one
@@ -44,14 +45,21 @@ from rollpacker.core.errors import ConfigError
 from rollpacker.core.tasks import RewardKind
 from rollpacker.rewards.base import ClosesOnExit, RewardFunction, RewardRequest, RewardResult, RewardStatus
 from rollpacker.rewards.offload import OffloadedCausalLM, OffloadMode, load_resident
-from rollpacker.tasks.judge_task import p_yes, prompt_format, verdict_logits
+from rollpacker.tasks.judge_task import (
+    InstructPromptFormat,
+    instruct_verdict_ids,
+    p_yes,
+    prompt_format,
+    verdict_logits,
+)
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class JudgeConfig:
-    device: str = "cpu"
+    device: str = "cpu"  # a torch device: cpu, cuda, cuda:N (rewards.factory resolves "auto")
+    dtype: str = "float32"  # the weights on the device: float32 | bfloat16 | float16
     max_batch: int = 16  # requests scored together at most
     resident_layers: int | None = None  # offload all but the first k layers (None: see below)
     memory_budget_bytes: int | None = None  # choose k per batch from this budget (None: fixed k)
@@ -102,7 +110,10 @@ class JudgeReward(RewardFunction, ClosesOnExit):
                 "rollpacker.tasks.judge_task.warm_up_judge() (or pass a HF model directory)"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.prompt_format = prompt_format(self.model_dir)  # the format the judge was warmed up with
+        self.prompt_format = prompt_format(self.model_dir)  # the toy judge's, or InstructPromptFormat
+        instruct = isinstance(self.prompt_format, InstructPromptFormat)
+        self._verdicts = instruct_verdict_ids(self.tokenizer) if instruct else None
+        self._chat = instruct and bool(getattr(self.tokenizer, "chat_template", None))
         self.offload: OffloadedCausalLM | None = None
         cfg = self.config
         if cfg.offloaded:
@@ -118,10 +129,11 @@ class JudgeReward(RewardFunction, ClosesOnExit):
                 n_buffers=cfg.n_buffers,
                 mode=cfg.offload_mode,
                 device=cfg.device,
+                dtype=cfg.dtype,
             )
             self.model: Any = self.offload.model
         else:
-            self.model = load_resident(self.model_dir, cfg.device)
+            self.model = load_resident(self.model_dir, cfg.device, cfg.dtype)
         self.batches = 0  # batches scored (a counter for metrics and tests)
         self.resident_layers_used: list[int] = []  # k of each batch scored offloaded
         self._cv = threading.Condition()
@@ -145,12 +157,21 @@ class JudgeReward(RewardFunction, ClosesOnExit):
         if self.offload is not None:
             self.resident_layers_used.append(self.offload.resident_layers)
         with torch.no_grad():
-            probs = p_yes(verdict_logits(self.model, self.tokenizer, prompts))
+            probs = p_yes(verdict_logits(self.model, self.tokenizer, prompts, self._verdicts))
         return [float(p) for p in probs]
 
     def score(self, problem: str, response: str, reference: str) -> float:
         """``P(yes)`` for one (problem, response, reference), synchronously."""
-        return self.score_prompts([self.prompt_format.render(problem, response, reference)])[0]
+        return self.score_prompts([self.render(problem, response, reference)])[0]
+
+    def render(self, problem: str, response: str, reference: str) -> str:
+        """The judge's input text: its prompt format's, in the tokenizer's chat template (with the
+        assistant's turn opened) for an instruction-tuned judge whose tokenizer has one."""
+        text = self.prompt_format.render(problem, response, reference)
+        if not self._chat:
+            return text
+        msgs = [{"role": "user", "content": text}]
+        return str(self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
 
     # -- RewardFunction --------------------------------------------------------------------------
 
@@ -200,9 +221,8 @@ class JudgeReward(RewardFunction, ClosesOnExit):
     def _score_jobs(self, batch: list[_Job]) -> list[RewardResult]:
         t0 = time.perf_counter()
         try:
-            fmt = self.prompt_format
             prompts = [
-                fmt.render(j.req.example.prompt, j.req.response, j.req.example.reference) for j in batch
+                self.render(j.req.example.prompt, j.req.response, j.req.example.reference) for j in batch
             ]
             probs = self.score_prompts(prompts)
         except ConfigError as e:  # the batch does not fit the memory budget even fully offloaded

@@ -116,12 +116,13 @@ class HostLayerStore:
     """Every decoder layer's weights in host memory, by layer index and name within the layer.
 
     ``pin=False``: views of the memory-mapped safetensors files (nothing is copied; pages are read
-    from the page cache when a layer is streamed). ``pin=True``: page-locked copies, so CUDA copies
-    can be asynchronous. ``others`` holds the remaining tensors (embeddings, norm, head) as views
-    of the mapped files: they are copied once into the resident model.
+    from the page cache when a layer is streamed). ``pin=True``: page-locked copies in ``dtype``
+    (the device's), so CUDA copies can be asynchronous. ``others`` holds the remaining tensors
+    (embeddings, norm, head) as views of the mapped files: they are copied once into the resident
+    model.
     """
 
-    def __init__(self, model_dir: Path, num_layers: int, pin: bool = False) -> None:
+    def __init__(self, model_dir: Path, num_layers: int, pin: bool = False, dtype: str = "float32") -> None:
         import torch
 
         files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -137,8 +138,8 @@ class HostLayerStore:
                 if m is None or int(m.group(1)) >= num_layers:
                     self.others[name] = t
                     continue
-                if pin:
-                    t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+                if pin:  # in the device's dtype: the asynchronous copy is then a plain copy
+                    t = torch.empty(t.shape, dtype=_torch_dtype(dtype), pin_memory=True).copy_(t)
                 self.layers[int(m.group(1))][m.group(2)] = t
         missing = [i for i, d in enumerate(self.layers) if not d]
         if missing:
@@ -192,7 +193,17 @@ def _compute_device(device: str) -> torch.device:
     return dev
 
 
-def _meta_model(config: Any) -> Any:
+def _torch_dtype(name: str) -> torch.dtype:
+    """``torch.float32`` for ``"float32"`` (the judge's dtypes: float32, bfloat16, float16)."""
+    import torch
+
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"judge dtype {name!r}: use float32, bfloat16 or float16")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def _meta_model(config: Any, dtype: str = "float32") -> Any:
     """The model built on the meta device, in eval mode without grads: the offloaded layers never
     get memory of their own, the resident part is copied from the memory-mapped file into the
     compute device."""
@@ -200,7 +211,7 @@ def _meta_model(config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -221,6 +232,7 @@ class OffloadedCausalLM:
         mode: OffloadMode = OffloadMode.PIPELINED,
         device: str = "cpu",
         track_memory: bool = True,
+        dtype: str = "float32",
     ) -> None:
         import torch
 
@@ -233,11 +245,12 @@ class OffloadedCausalLM:
         self.track_memory = track_memory
         self._cuda = self.device.type == "cuda"
         config = self._read_config(resident_layers)
-        self.host = HostLayerStore(self.model_dir, self.num_layers, pin=self._cuda)
-        self.layer_bytes = self.host.layer_bytes(0)
-        model = _meta_model(config)
+        self.host = HostLayerStore(self.model_dir, self.num_layers, pin=self._cuda, dtype=dtype)
+        model = _meta_model(config, dtype)
         layers = model.model.layers
         self._adopt_layers(layers)
+        # one layer's bytes on the device, in the model's dtype (the file's may differ)
+        self.layer_bytes = sum(t.numel() * t.element_size() for t in self._skeleton.state_dict().values())
         self.resident_layers = resident_layers
         for j in range(resident_layers, self.num_layers):
             layers[j] = self._standins[j]  # offloaded: a stand-in, no weights
@@ -578,12 +591,11 @@ class OffloadedCausalLM:
         self.close()
 
 
-def load_resident(model_dir: Path | str, device: str = "cpu") -> Any:
+def load_resident(model_dir: Path | str, device: str = "cpu", dtype: str = "float32") -> Any:
     """The plain (non-offloaded) model from ``model_dir``: the reference the offload must equal."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_torch_dtype(dtype))
     model.eval()
     model.requires_grad_(False)
     return model.to(device)

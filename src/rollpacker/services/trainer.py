@@ -128,7 +128,7 @@ class TrainerService(Service, TrainerAPI):
 
     def _restore(self, checkpoint_uri: str, base_uri: str) -> None:
         """The trainer at ``checkpoint_uri`` (weights, optimizer, RNG, policy version)."""
-        from rollpacker.trainers.torch_trainer import TorchTrainer
+        from rollpacker.trainers.torch_trainer import TorchTrainer, train_placement
 
         ck = cached_download(self.store(), checkpoint_uri, checkpoint_cache())
         base = cached_download(self.store(), base_uri, checkpoint_cache())
@@ -137,10 +137,13 @@ class TrainerService(Service, TrainerAPI):
             self._restore_megatron(ck)
             self.checkpoint_uri = checkpoint_uri
             return
+        device, dtype = train_placement(cfg.train, cfg.gpu_declarations)  # train.device, train.dtype
         self.trainer = TorchTrainer(
             ck / "model" if (ck / "model").is_dir() else ck,
             dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
             temperature=cfg.rollout.temperature,
+            dtype=dtype,
+            device=device,
             ref_model_dir=base / "model" if (base / "model").is_dir() else base,
         )
         if (ck / "trainer.json").is_file():

@@ -19,6 +19,11 @@ and the judge's score is ``P(yes) = softmax(logit_y, logit_n)[0]`` at the last p
 Batches are right-padded and each row is read at its own last token, so batched scoring equals
 per-sample scoring (causal attention never looks right).
 
+A configured judge model (``reward.judge.model``, no ``judge.json``: an instruction-tuned LM)
+reads ``InstructPromptFormat`` instead: the problem, the reference and the response in full and a
+yes/no question; its ``P(yes)`` compares the first tokens of ``YES_WORDS`` with those of
+``NO_WORDS`` (``instruct_verdict_ids``, ``verdict_logits(..., verdicts)``).
+
 Warm-up data (``judge_pairs``) comes from the synthetic math task: a correct candidate is the
 reference solution or a terse ``Answer: <right digit>``; an incorrect one is the reference solution
 with a wrong final answer, with a wrong step carried through (so its final answer is wrong too),
@@ -81,6 +86,40 @@ class JudgePromptFormat:
 
 
 DEFAULT_FORMAT = JudgePromptFormat()
+
+YES_WORDS = ("yes", "Yes", " yes", " Yes")  # an instruction-tuned judge's verdict, as it may begin
+NO_WORDS = ("no", "No", " no", " No")
+
+
+@dataclass(frozen=True)
+class InstructPromptFormat:
+    """The prompt of a configured judge (``reward.judge.model``: an instruction-tuned LM, no
+    ``judge.json``): the problem, the reference and the response in full, then a yes/no
+    question. ``JudgeReward`` wraps it in the tokenizer's chat template when it has one, and reads
+    ``P(yes)`` from the first tokens of ``YES_WORDS`` against those of ``NO_WORDS``."""
+
+    question: str = (
+        "Does the candidate response reach the same final answer as the reference answer? Answer yes or no."
+    )
+
+    def render(self, problem: str, response: str, reference: str) -> str:
+        return (
+            f"Problem:\n{problem.strip()}\n\nReference answer:\n{reference.strip()}\n\n"
+            f"Candidate response:\n{response.strip()}\n\n{self.question}"
+        )
+
+
+def instruct_verdict_ids(tokenizer: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The first token ids of ``YES_WORDS`` and of ``NO_WORDS``, without the ids both share (a
+    byte-level tokenizer starts `` yes`` and `` no`` alike)."""
+    yes = {int(tokenizer.encode(w, add_special_tokens=False)[0]) for w in YES_WORDS}
+    no = {int(tokenizer.encode(w, add_special_tokens=False)[0]) for w in NO_WORDS}
+    yes, no = yes - no, no - yes
+    if not yes or not no:
+        raise ValueError(
+            f"the judge's tokenizer cannot tell {YES_WORDS} from {NO_WORDS} by their first token"
+        )
+    return tuple(sorted(yes)), tuple(sorted(no))
 
 
 def judge_prompt(problem: str, response: str, reference: str, fmt: JudgePromptFormat = DEFAULT_FORMAT) -> str:
@@ -197,17 +236,30 @@ def last_hidden(model: Any, ids: torch.Tensor, attn: torch.Tensor, last: torch.T
     return h[torch.arange(h.shape[0], device=h.device), last]
 
 
-def verdict_logits(model: Any, tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
-    """``[batch, 2]`` logits of (``y``, ``n``) after each text, for a HF causal LM ``model``.
+def verdict_logits(
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str],
+    verdicts: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> torch.Tensor:
+    """``[batch, 2]`` logits of (yes, no) after each text, for a HF causal LM ``model``: of the
+    tokens ``y`` and ``n`` (the toy judge's answer bytes), or with ``verdicts`` (yes ids, no ids)
+    the log-sum-exp of each group's logits (``instruct_verdict_ids``).
 
     ``model`` needs ``.model`` (the decoder stack) and ``.lm_head``; an offloaded model from
     ``rollpacker.rewards.offload`` qualifies, so both judges run exactly this code.
     """
+    import torch
+
     device = model.lm_head.weight.device
     ids, attn, last = encode_batch(tokenizer, texts, device)
     h = last_hidden(model, ids, attn, last)
-    y, n = verdict_token_ids(tokenizer)
-    return model.lm_head(h)[:, [y, n]].float()
+    if verdicts is None:
+        y, n = verdict_token_ids(tokenizer)
+        return model.lm_head(h)[:, [y, n]].float()
+    logits = model.lm_head(h).float()
+    yes, no = (logits[:, list(group)].logsumexp(dim=-1) for group in verdicts)
+    return torch.stack((yes, no), dim=-1)
 
 
 def p_yes(logits: torch.Tensor) -> torch.Tensor:
@@ -292,11 +344,12 @@ def judge_info(model_dir: Path) -> dict[str, Any]:
     return info
 
 
-def prompt_format(model_dir: Path) -> JudgePromptFormat:
-    """The prompt format a judge was warmed up with (the default for a directory without ``judge.json``)."""
+def prompt_format(model_dir: Path) -> JudgePromptFormat | InstructPromptFormat:
+    """The prompt format a judge was warmed up with (its ``judge.json``), or for a judge model
+    without one (a configured, instruction-tuned judge) ``InstructPromptFormat``."""
     f = Path(model_dir) / "judge.json"
     if not f.is_file():
-        return DEFAULT_FORMAT
+        return InstructPromptFormat()
     return JudgePromptFormat(**judge_info(model_dir)["spec"]["prompt"])
 
 

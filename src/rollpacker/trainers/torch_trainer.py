@@ -58,6 +58,7 @@ from rollpacker.core.advantages import (
     token_returns,
 )
 from rollpacker.core.config import TrainerConfig
+from rollpacker.core.devices import resolve_device
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
@@ -70,6 +71,20 @@ _TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees (torch's count; 0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def train_placement(cfg: TrainerConfig, declared: tuple[str, ...] = ()) -> tuple[str, torch.dtype]:
+    """The torch device and dtype ``train.device`` / ``train.dtype`` give in this process:
+    ``auto`` is ``cuda`` where a GPU is visible; ``auto`` finding none on a config that declares
+    GPUs (``declared``: ``ExperimentConfig.gpu_declarations``) is refused, an explicit ``cpu`` obeyed."""
+    device = resolve_device(cfg.device, visible_gpus(), name="train.device", declared=declared)
+    dtype: torch.dtype = getattr(torch, cfg.dtype)
+    return device, dtype
 
 
 class TorchTrainer:
@@ -370,7 +385,10 @@ class TorchTrainer:
                 if (self.model_dir / f).is_file():
                     shutil.copy2(self.model_dir / f, tmp / "model" / f)
             torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+            rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+            if self.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state(self.device)
+            torch.save(rng, tmp / "rng.pt")
             meta = {
                 "version": CHECKPOINT_VERSION,
                 "policy_version": self.policy_version,
@@ -414,6 +432,8 @@ class TorchTrainer:
         self.opt.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
         rng = torch.load(path / "rng.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
         random.setstate(rng["python"])
         self.policy_version = int(meta["policy_version"])
         self.optimizer_steps = int(meta["optimizer_steps"])
