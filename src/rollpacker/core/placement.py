@@ -117,15 +117,14 @@ def arm_gpus(cfg: ExperimentConfig, arm: str) -> ArmGpus:
     c = cfg.for_arm(arm)
     gpus = c.services.gpus
     rollout = (c.planner.devices or c.engine.tensor_parallel_size) if gpus.rollout > 0 else 0
-    # reward.judge.device / train.device (issue 33, items 6-7) where the config has them; "auto" before
-    judge = int(_uses_cuda(str(getattr(c.reward.judge, "device", "auto")), gpus.judge))
+    judge = int(_uses_cuda(c.reward.judge.device, gpus.judge))
     trainer, gang, detail = 0, 0, ""
     if c.train.backend == "megatron":
         m = c.train.megatron
         gang = int(m.ranks * m.gpus_per_rank)
         detail = f"megatron {m.ranks} ranks x gpus_per_rank {m.gpus_per_rank:g}"
     else:
-        trainer = int(_uses_cuda(str(getattr(c.train, "device", "auto")), gpus.training))
+        trainer = int(_uses_cuda(c.train.device, gpus.training))
     return ArmGpus(arm, rollout=rollout, judge=judge, trainer=trainer, gang=gang, gang_detail=detail)
 
 
