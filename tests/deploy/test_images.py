@@ -79,7 +79,12 @@ def test_dockerfile_rules(root: Path, name: str) -> None:
         if line.startswith(("ARG ", "ENV ")) or (line.startswith("    ") and "=" in line):
             assert not re.search(r"(PASSWORD|SECRET|TOKEN|ACCESS_KEY|CREDENTIAL)\w*=", line, re.I), line
     assert "--mount=type=secret,id=pipconf,target=/etc/pip.conf" in text
-    assert "COPY requirements/lock.txt" in text and f"images/{name}/" in text
+    # dependencies from the image's own lock (requirements/images/, images/lock.py), not the dev lock
+    assert "requirements/lock.txt" not in text and f"images/{name}/" in text
+    mode = "gpu" if versions[f"BASE_{name}"] == "GPU_BASE" else "cpu"
+    lock_copy = "rollout-${MODE}.txt" if name == "rollout" else f"{name}-{mode}.txt"
+    assert f"COPY requirements/images/{lock_copy} /opt/rollpacker/lock.txt" in text
+    assert "install.sh deps /opt/rollpacker/requirements.txt /opt/rollpacker/lock.txt" in text
 
 
 def _pins(path: Path) -> dict[str, str]:
