@@ -4,6 +4,10 @@
 #                                       images/<name>/requirements*.txt); every transitive version
 #                                       pinned by LOCK, the image's own lock resolved for its platform
 #                                       (requirements/images/<name>-<cpu|gpu>.txt, images/lock.py)
+#   install.sh compiler                 gcc/g++ (GPU images): Triton builds its launcher with a C
+#                                       compiler at the first kernel launch, torch.compile's C++ with
+#                                       g++; pinned for Debian bookworm, libc6-dev exactly the base's
+#                                       libc6 (they must match; the base's patch level moves with its tag)
 #   install.sh app                      rollpacker itself (no dependencies) + the health check
 set -eu
 case "${1:-}" in
@@ -13,6 +17,13 @@ deps)
     python3 -m venv /opt/venv
     /opt/venv/bin/pip install --no-cache-dir -r "$req" -c "$lock"
     ;;
+compiler)
+    apt-get update
+    apt-get install -y --no-install-recommends gcc=4:12.2.0-3 g++=4:12.2.0-3 \
+        "libc6-dev=$(dpkg-query -W -f='${Version}' libc6)"
+    rm -rf /var/lib/apt/lists/*
+    gcc --version > /dev/null
+    ;;
 app)
     /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation /opt/rollpacker/app
     rm -rf /opt/rollpacker/app/build
@@ -20,7 +31,7 @@ app)
     /opt/venv/bin/rollpacker --help > /dev/null
     ;;
 *)
-    echo "usage: install.sh deps REQUIREMENTS LOCK | install.sh app" >&2
+    echo "usage: install.sh deps REQUIREMENTS LOCK | install.sh compiler | install.sh app" >&2
     exit 2
     ;;
 esac

