@@ -468,7 +468,9 @@ class TaskShapeConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "synthetic_math"  # synthetic_math | humaneval | path/to/file.jsonl[.gz]
+    # synthetic_math | humaneval | path/to/file.jsonl[.gz] (on the controller's pod) |
+    # s3://<store.bucket>/<key>.jsonl[.gz]; a file reaches the services through the store
+    name: str = "synthetic_math"
     num_examples: int = 4000  # synthetic tasks only
     val_size: int = 400  # held-out examples (seeded split)
     seed: int = 0
@@ -477,6 +479,12 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _positive_int("task.num_examples", self.num_examples)
         _positive_int("task.val_size", self.val_size)
+        scheme_ok = self.name.startswith(("s3://", FILE_SCHEME))
+        if "://" in self.name and (not scheme_ok or not self.name.endswith((".jsonl", ".jsonl.gz"))):
+            raise ConfigError(
+                f"task.name = {self.name!r}: a dataset URI is s3://<store.bucket>/<key>.jsonl (or .jsonl.gz) "
+                "in the experiment's store"
+            )
 
 
 @dataclass(frozen=True)
