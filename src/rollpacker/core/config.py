@@ -732,6 +732,19 @@ def _arms(*names: str) -> tuple[ArmConfig, ...]:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """The step checkpoints in the store (docs/operations.md, "Volumes and sizes per model")."""
+
+    # committed step checkpoints the store keeps per arm after each commit (the newest ones; the
+    # one the committed state points at is always among them); the start model is kept besides.
+    # The store holds keep + 1 while a step writes its own (core/sizing.py).
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
 
@@ -754,6 +767,7 @@ class ExperimentConfig:
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def arm(self, name: str) -> ArmConfig:
         for a in self.arms:
