@@ -499,7 +499,9 @@ class TaskShapeConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: str = "synthetic_math"  # synthetic_math | humaneval | path/to/file.jsonl[.gz]
+    # synthetic_math | humaneval | path/to/file.jsonl[.gz] (on the controller's pod) |
+    # s3://<store.bucket>/<key>.jsonl[.gz]; a file reaches the services through the store
+    name: str = "synthetic_math"
     num_examples: int = 4000  # synthetic tasks only
     val_size: int = 400  # held-out examples (seeded split)
     seed: int = 0
@@ -508,6 +510,12 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _positive_int("task.num_examples", self.num_examples)
         _positive_int("task.val_size", self.val_size)
+        scheme_ok = self.name.startswith(("s3://", FILE_SCHEME))
+        if "://" in self.name and (not scheme_ok or not self.name.endswith((".jsonl", ".jsonl.gz"))):
+            raise ConfigError(
+                f"task.name = {self.name!r}: a dataset URI is s3://<store.bucket>/<key>.jsonl (or .jsonl.gz) "
+                "in the experiment's store"
+            )
 
 
 @dataclass(frozen=True)
@@ -810,6 +818,19 @@ def _arms(*names: str) -> tuple[ArmConfig, ...]:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """The step checkpoints in the store (docs/operations.md, "Volumes and sizes per model")."""
+
+    # committed step checkpoints the store keeps per arm after each commit (the newest ones; the
+    # one the committed state points at is always among them); the start model is kept besides.
+    # The store holds keep + 1 while a step writes its own (core/sizing.py).
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint.keep", self.keep)
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
 
@@ -832,6 +853,7 @@ class ExperimentConfig:
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def arm(self, name: str) -> ArmConfig:
         for a in self.arms:

@@ -23,6 +23,7 @@ from rollpacker.core.errors import RollpackerError
 from rollpacker.services.api import Collected, Peers
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
+from rollpacker.tasks.dataset_store import local_dataset, readable_here
 
 
 class ServiceError(RollpackerError):
@@ -46,6 +47,7 @@ class Service:
         self._peers: Peers | None = None
         self._started: OrderedDict[str, Future[Collected]] = OrderedDict()
         self._started_lock = threading.Lock()
+        self._dataset: str | None = None
 
     def config_digest(self) -> str:
         return self._digest
@@ -105,6 +107,17 @@ class Service:
 
     def store(self) -> ObjectStore:
         return _store(self.cfg.store)
+
+    def dataset(self) -> str:
+        """``task.name`` as this pod reads it: a built-in name, or the arm's dataset from the store
+        (published by the plan stage, downloaded once per pod; looked up once per service)."""
+        name = self.cfg.task.name
+        if self._dataset is None and readable_here(name):
+            self._dataset = name
+        if self._dataset is None:
+            cache = checkpoint_cache().parent / "datasets"
+            self._dataset = local_dataset(self.store(), name, self.cfg.experiment, self.arm, cache)
+        return self._dataset
 
     def close(self) -> None:
         pass

@@ -94,7 +94,7 @@ class RewardService(Service, RewardAPI):
         if self._router is not None:
             return
         t = self.cfg.task
-        examples = load_task(t.name, seed=t.seed, num_examples=t.num_examples, shape=t.shape.items())
+        examples = load_task(self.dataset(), seed=t.seed, num_examples=t.num_examples, shape=t.shape.items())
         mine = [ex for ex in examples if ex.reward_kind in self.kinds]
         self._examples = {ex.example_id: ex for ex in mine}
         self._router = build_rewards(self.cfg, mine, self.timeouts, quiet=True) if mine else None

@@ -292,7 +292,8 @@ class RolloutService(Service, RolloutAPI):
         if self.model_dir is None:
             raise RollpackerError("rollout service: sync(state) first (no model loaded)")
         t = self.cfg.task
-        return task_data(t.name, t.seed, t.num_examples, t.val_size, str(self.model_dir), t.shape.items())
+        model = str(self.model_dir)
+        return task_data(self.dataset(), t.seed, t.num_examples, t.val_size, model, t.shape.items())
 
     def _policy(self, state: ControllerState, attempt: str) -> RolloutPolicy:
         """The arm's policy for one step, rebuilt from the committed state."""

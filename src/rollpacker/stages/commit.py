@@ -5,6 +5,9 @@ Invariants:
   then the pointer; a step dies before the pointer moves, or is committed whole;
 - garbage (checkpoints and batches neither the new state nor the one before points to) is
   collected before the records: a commit that dies after it leaves both states' files in place;
+- the store keeps the last ``checkpoint.keep`` committed step checkpoints (and the start model):
+  older ones go before the records, the previous state's once the pointer has moved past it (when
+  ``keep`` is 1); the checkpoint the committed state points at is never deleted;
 - a commit whose step is already committed by the same attempt returns what was committed
   (idempotent); one of another attempt is refused as stale;
 """
@@ -66,6 +69,7 @@ def commit(
     # the commit record first (the next plan repairs MLflow from it), then the state and pointer
     ctx.states.put_blob(step, "commit.json", record.to_json().encode())
     ctx.states.commit(new)
+    _drop_superseded(ctx, new, state)  # keep = 1: the previous checkpoint, now that nothing points at it
     hooks.at("commit", step)  # committed, not yet in MLflow: the next plan repairs it
     # this step and any MLflow missed before (it was down), in order, from the commit records
     ctx.tracking_optional(f"logging step {step} to MLflow", lambda: repair_tracking(ctx, new))
@@ -163,10 +167,11 @@ def log_step(
 
 
 def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerState) -> None:
-    """Step checkpoints and one-off batches neither of the last two states points to (failed
-    attempts, older steps) are deleted; the base model stays; the buffer is in the state now."""
+    """Step checkpoints neither retained (``checkpoint.keep``) nor committed, and one-off batches
+    neither of the last two states points to (failed attempts, older steps) are deleted; the base
+    model stays; the buffer is in the state now."""
     ck = f"{ctx.prefix}/ckpt/"
-    keep = {ctx.store.key_of(u).rstrip("/") for u in (new.checkpoint_uri, old.checkpoint_uri) if u}
+    keep = retained_checkpoints(ctx, new, old) | _keys(ctx, old.checkpoint_uri)  # old: still committed
     for d in _dirs(ctx, ck):
         if not d.startswith("base") and f"{ck}{d}" not in keep:
             ctx.store.delete_prefix(f"{ck}{d}/")
@@ -178,6 +183,36 @@ def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerSta
         if f"{batches}{d}" not in keep:
             ctx.store.delete_prefix(f"{batches}{d}/")
     ctx.store.delete_prefix(f"{ctx.prefix}/buffers/")
+
+
+def retained_checkpoints(ctx: StageContext, new: ControllerState, old: ControllerState) -> set[str]:
+    """The keys (no trailing ``/``) of the newest ``checkpoint.keep`` distinct step checkpoints the
+    committed chain points at, ``new`` first; earlier states are read only when ``keep`` > 2."""
+    keep, base = ctx.cfg.checkpoint.keep, f"{ctx.prefix}/ckpt/base"
+    out: list[str] = []
+    states = iter((new, old))
+    step = old.step - 1
+    while len(out) < keep:
+        state = next(states, None)
+        if state is None:
+            if step < 0:
+                break
+            state, step = ctx.states.load(step), step - 1
+        for key in _keys(ctx, state.checkpoint_uri):
+            if not key.startswith(base) and key not in out:
+                out.append(key)
+    return set(out)
+
+
+def _drop_superseded(ctx: StageContext, new: ControllerState, old: ControllerState) -> None:
+    """After the pointer moved to ``new``: the previous checkpoint, if ``keep`` leaves it out."""
+    for key in _keys(ctx, old.checkpoint_uri) - retained_checkpoints(ctx, new, old):
+        if not key.startswith(f"{ctx.prefix}/ckpt/base"):
+            ctx.store.delete_prefix(f"{key}/")
+
+
+def _keys(ctx: StageContext, uri: str) -> set[str]:
+    return {ctx.store.key_of(uri).rstrip("/")} if uri else set()
 
 
 def _dirs(ctx: StageContext, prefix: str) -> list[str]:

@@ -6,7 +6,9 @@ Invariants:
 - a commit that died between its state document and the pointer is finished first (``recover``),
   and one that died before MLflow logged it is logged now (MLflow never misses a committed step);
 - the arm's first plan creates step -1: the base model in the store, the cursor at the start, the
-  arm's MLflow run, and the validation before any RL (logged at step 0).
+  arm's MLflow run, and the validation before any RL (logged at step 0);
+- a dataset file (``task.name``) is in the store before any service reads it: the services' pods
+  see only the store (``tasks.dataset_store``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rollpacker.stages.commit import repair_tracking
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import Clock, StepPlan
 from rollpacker.stages.rollout import begin_round
+from rollpacker.tasks.dataset_store import publish
 from rollpacker.tasks.models import prepare_model
 from rollpacker.tracking import flatten_params
 
@@ -30,6 +33,7 @@ def plan(ctx: StageContext) -> StepPlan:
     clock = Clock(ctx.process_start)  # a step's wall clock starts with its plan task's process
     ctx.store.check()
     state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
+    publish(ctx.store, ctx.cfg.task.name, ctx.cfg.experiment, ctx.arm)  # once per arm; then a lookup
     t_init = time.perf_counter()
     if state is None:
         ctx.tracker.check()  # an arm starts only with MLflow up: its run holds the comparison

@@ -9,7 +9,9 @@
   (``mixed_tasks``); the judge prompts are synthetic math problems whose reference is the full
   reference solution, scored by the LLM judge;
 - ``"humaneval"``: the 164 HumanEval problems (``humaneval.load_humaneval``);
-- a path ending in ``.jsonl`` or ``.jsonl.gz``: ``jsonl.load_jsonl``.
+- a path ending in ``.jsonl`` or ``.jsonl.gz``: ``jsonl.load_jsonl``. A store URI
+  (``s3://...``) is not read here: the experiment's plan stage publishes it and the services read
+  it through the store (``tasks.dataset_store``).
 
 Invariants:
 - the result is a pure function of (name_or_path, seed, num_examples, the file's bytes);
@@ -64,6 +66,11 @@ def load_task(
         from rollpacker.tasks.humaneval import load_humaneval
 
         examples = load_humaneval()
+    elif "://" in name_or_path:
+        raise ConfigError(
+            f"task {name_or_path!r}: a store URI is read through the store, not as a file; run it as an "
+            "experiment (the plan stage publishes it, the services download it: tasks.dataset_store)"
+        )
     elif name_or_path.endswith(FILE_SUFFIXES):
         from rollpacker.tasks.jsonl import load_jsonl
 

@@ -1,0 +1,163 @@
+"""Checkpoints that fit: the bytes one step checkpoint takes, against the volumes that hold them.
+
+Bytes per parameter of one step checkpoint of the megatron backend (docs/operations.md, "Volumes
+and sizes per model"):
+
+- megatron's distributed checkpoint with the distributed optimizer: bf16 weights (2) + fp32 main
+  weights (4) + Adam's two moments in fp32 (4 + 4) = ``DIST_BYTES_PER_PARAM`` = 14;
+- the Hugging Face copy the engines load, bf16 safetensors: ``HF_BYTES_PER_PARAM`` = 2.
+
+Where they go (services/trainer.py, services/rollout.py, stages/commit.py):
+
+- the store (the MinIO volume), per arm, and every arm of an experiment runs at once: the start
+  model (HF copy) + ``checkpoint.keep`` committed checkpoints + the one a step writes before its
+  commit + one failed attempt's, which stays until the next commit;
+- the training pod's local scratch (its ``/tmp``): the trainer writes the whole checkpoint there
+  before it uploads it (``staged``), and its download cache holds the start model and the
+  checkpoint it restores;
+- the rollout pod's ``/tmp``: its download cache holds the start model and one step checkpoint.
+
+Every volume must hold its bytes plus ``HEADROOM`` (file-system overhead, logs, the datasets).
+
+Invariants:
+- ``required`` grows with parameters, ``keep`` and arms, and never asks less than one checkpoint
+  of a volume that holds one;
+- ``check`` returns one message per volume that is too small, naming the volume, what it holds,
+  the bytes needed and the bytes it has; an empty list means every volume fits;
+- ``parse_quantity`` reads Kubernetes quantities (``20Gi``, ``1.5Ti``, ``500G``, ``1e9``) exactly,
+  and refuses anything else with a ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+
+from rollpacker.core.config import _positive_int
+from rollpacker.core.errors import ConfigError
+
+DIST_BYTES_PER_PARAM = 14
+HF_BYTES_PER_PARAM = 2
+HEADROOM = Fraction(11, 10)  # 10 % on top of the bytes counted
+
+_SUFFIX = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+}
+_QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)(|k|M|G|T|P|Ki|Mi|Gi|Ti|Pi)")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A shipped model size: its name and parameter count (Qwen2.5 family, the paper's)."""
+
+    name: str
+    params: int
+
+    def __post_init__(self) -> None:
+        _positive_int(f"model spec {self.name!r}: params", self.params)
+
+
+SHIPPED = (
+    ModelSpec("Qwen2.5-7B", 7_615_616_512),
+    ModelSpec("Qwen2.5-14B", 14_770_033_664),
+    ModelSpec("Qwen2.5-32B", 32_763_876_352),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the bytes depend on besides the model: arms at once, checkpoints kept, staging."""
+
+    arms: int
+    keep: int
+    staged: bool = True  # the trainer writes the whole checkpoint locally before uploading it
+
+    def __post_init__(self) -> None:
+        _positive_int("sizing: arms", self.arms)
+        _positive_int("sizing: keep", self.keep)
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes (headroom included) each volume must hold."""
+
+    store: int
+    training_scratch: int
+    rollout_scratch: int
+
+
+def checkpoint_bytes(spec: ModelSpec) -> int:
+    """One step checkpoint: the distributed checkpoint and the HF copy."""
+    return spec.params * (DIST_BYTES_PER_PARAM + HF_BYTES_PER_PARAM)
+
+
+def required(spec: ModelSpec, layout: Layout) -> Need:
+    ck, base = checkpoint_bytes(spec), spec.params * HF_BYTES_PER_PARAM
+    per_arm = base + (layout.keep + 2) * ck  # kept + the step's own + a failed attempt's
+    training = (ck if layout.staged else 0) + base + ck  # staging + the restore cache
+    return Need(
+        store=_with_headroom(layout.arms * per_arm),
+        training_scratch=_with_headroom(training),
+        rollout_scratch=_with_headroom(base + ck),
+    )
+
+
+def _with_headroom(n: int) -> int:
+    return math.ceil(n * HEADROOM)
+
+
+@dataclass(frozen=True)
+class Volumes:
+    """The volumes a deployment gives (bytes), with where each is set, for the messages."""
+
+    store: tuple[int, str]
+    training_scratch: tuple[int, str]
+    rollout_scratch: tuple[int, str]
+
+
+def check(spec: ModelSpec, layout: Layout, volumes: Volumes) -> list[str]:
+    """One message per volume too small for ``spec`` under ``layout``."""
+    need = required(spec, layout)
+    ck = checkpoint_bytes(spec)
+    holds = {
+        "store": f"{layout.arms} arm(s) x (start model + {layout.keep + 2} checkpoints of {gib(ck)})",
+        "training_scratch": f"a staged checkpoint and the restore cache, {gib(ck)} each"
+        if layout.staged
+        else f"the restore cache (start model + {gib(ck)})",
+        "rollout_scratch": f"the download cache (start model + {gib(ck)})",
+    }
+    out = []
+    for name, what in holds.items():
+        have, where = getattr(volumes, name)
+        want = getattr(need, name)
+        if have < want:
+            out.append(
+                f"{spec.name}: {where} is {gib(have)}, needs {gib(want)} for {what} (+10 %): set it to at "
+                f"least {math.ceil(want / 2**30)}Gi"
+            )
+    return out
+
+
+def gib(n: int) -> str:
+    """``n`` bytes in GiB, rounded up (a size to provision)."""
+    return f"{math.ceil(n / 2**30)} GiB"
+
+
+def parse_quantity(text: str | int) -> int:
+    """Bytes of a Kubernetes quantity (``20Gi``, ``500G``, ``1.5Ti``), rounded up."""
+    m = _QUANTITY.fullmatch(str(text).strip())
+    if m is None:
+        raise ConfigError(f"{text!r} is not a Kubernetes storage quantity; write e.g. 20Gi or 500G")
+    return math.ceil(Fraction(m.group(1)) * _SUFFIX[m.group(2)])
