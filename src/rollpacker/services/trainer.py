@@ -3,7 +3,10 @@
 Rewarded groups arrive during rollout (``submit``, from the reward services) and their gradients
 accumulate at once; the training stage calls ``finish``, which waits for every group the round
 produced, takes the one deferred optimizer step, writes the checkpoint to the object store under
-an attempt-unique prefix, and pushes the new weights into the rollout engine in place.
+an attempt-unique prefix, and pushes the new weights into the rollout engine in place. The
+megatron backend streams its checkpoint: every rank uploads its own shard files and the Hugging
+Face weights go up one bucket at a time, so no disk holds the whole checkpoint
+(``MegatronTrainer.store_checkpoint``).
 
 In the one-off pipeline (``rollout.one_off``, RollPacker 6.7) the groups of step t are held, not
 trained: ``finish`` writes them to the object store as the pending batch (the state points to it),
@@ -319,9 +322,7 @@ class TrainerService(Service, TrainerAPI):
             self._give_back()  # before the checkpoint and the weight push: the next round's devices
         devices = self._device_metrics()
         t_ck = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
-            ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
-            uri = self.store().upload_dir(ck, checkpoint_key)
+        uri = self._store_checkpoint(checkpoint_key)
         ckpt_s = time.perf_counter() - t_ck
         self.checkpoint_uri = uri
         t_gather = time.perf_counter()
@@ -354,6 +355,16 @@ class TrainerService(Service, TrainerAPI):
                 **devices,
             },
         )
+
+    def _store_checkpoint(self, key: str) -> str:
+        """The trainer's checkpoint at ``key`` in the store. A backend that streams its shards
+        (megatron: every rank uploads its own) writes no local copy of the whole checkpoint."""
+        streams = getattr(self.trainer, "store_checkpoint", None)
+        if streams is not None:
+            return str(streams(self.store(), self.cfg.store, key))
+        with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
+            ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
+            return self.store().upload_dir(ck, key)
 
     def close(self) -> None:
         self._give_back()
