@@ -68,3 +68,38 @@ def test_step_metrics_merge_the_reports() -> None:
     m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
     assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
     assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0
+
+
+def test_a_step_between_checkpoints_names_the_last_stored_one(tmp_path) -> None:
+    """checkpoint.every: an unstored step's state names the step to roll back to; a stored one
+    clears it; a step with no update (the one-off pipeline's first) keeps its predecessor's."""
+    ctx = _ctx(tmp_path)
+    s = ControllerState("e", "tail_batching", -1, 7, 0, 0, checkpoint_uri="file:///base/")
+    chain = []
+    for i, stored in enumerate((False, False, True, False)):
+        s = successor(
+            ctx, s, _round(), None, TrainReport(f"file:///ck{i}/", i + 1, 4, stored=stored), "", 0.0
+        )
+        chain.append(s.rollback_step)
+    assert chain == [-1, -1, None, 2]
+    same = successor(ctx, s, _round(), None, TrainReport(s.checkpoint_uri, s.policy_version, 0), "", 0.0)
+    assert same.rollback_step == 2
+
+
+def test_the_commit_keeps_the_checkpoint_a_step_between_checkpoints_rolls_back_to(tmp_path) -> None:
+    from rollpacker.stages.commit import _collect_garbage
+
+    ctx = _ctx(tmp_path)
+    ck = "e/tail_batching/ckpt"
+    for d in ("base-x", "step-000000-a", "step-000000-b"):  # step 0's, and a failed attempt's
+        ctx.store.put_bytes(f"{ck}/{d}/trainer.json", b"{}")
+    s0 = ControllerState(
+        "e", "tail_batching", 0, 7, 0, 0, checkpoint_uri=ctx.store.uri(f"{ck}/step-000000-a/")
+    )
+    ctx.states.init(ControllerState("e", "tail_batching", -1, 7, 0, 0))
+    ctx.states.commit(s0)
+    s1 = s0.successor(checkpoint_uri=ctx.store.uri(f"{ck}/step-000001-a/"), rollback_step=0)  # not written
+    ctx.states.commit(s1)
+    s2 = s1.successor(checkpoint_uri=ctx.store.uri(f"{ck}/step-000002-a/"), rollback_step=0)
+    _collect_garbage(ctx, s2, s1)
+    assert sorted({k.split("/")[3] for k in ctx.store.list(f"{ck}/")}) == ["base-x", "step-000000-a"]

@@ -593,6 +593,36 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """How often the trainer's state goes to the object store (docs/training.md, "Checkpoint
+    cadence"). A step between checkpoints commits its state document with its weights only in the
+    trainer's and the engine's memory; a failure that loses them rolls the arm back to the last
+    checkpointed step's state, and the steps after it (their prompts included) run again."""
+
+    every: int = 1  # a checkpoint after every N-th step (and after the last step)
+    export_every: int = 0  # Hugging Face weights under <experiment>/<arm>/export/ every N steps (0: never)
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint.every", self.every)
+        if (
+            isinstance(self.export_every, bool)
+            or not isinstance(self.export_every, int)
+            or self.export_every < 0
+        ):
+            raise ConfigError(
+                f"checkpoint.export_every = {self.export_every!r}: a whole number of steps, 0 for no export"
+            )
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether step ``step`` (0-based) of a run of ``steps`` writes a checkpoint: every
+        ``every``-th step and the last one."""
+        return (step + 1) % self.every == 0 or step == steps - 1
+
+    def export_due(self, step: int) -> bool:
+        return self.export_every > 0 and (step + 1) % self.export_every == 0
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The object store the controller keeps state, checkpoints and profiles in.
 
@@ -740,6 +770,7 @@ class ExperimentConfig:
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
     # the state store and the services.
     arms: tuple[ArmConfig, ...] = _arms("sync", "tail_batching")

@@ -79,6 +79,11 @@ class StateStore:
         """Key prefix (ending in ``/``) of the checkpoint step ``step`` trained."""
         return f"{self.prefix}ckpt/step-{step:06d}/"
 
+    def export_prefix(self, step: int, attempt: str) -> str:
+        """Key prefix of step ``step``'s Hugging Face export (``checkpoint.export_every``): outside
+        ``ckpt/``, so the commit's collection never deletes it."""
+        return f"{self.prefix}export/step-{step:06d}-{attempt}/"
+
     def checkpoint_uri(self, step: int) -> str:
         return self.store.uri(self.checkpoint_prefix(step))
 
