@@ -186,8 +186,14 @@ class TrainerService(Service, TrainerAPI):
         self.trainer.load_checkpoint(ck)
 
     def holds(self, checkpoint_uri: str) -> bool:
-        with self._finish_lock:  # an update in flight ends first
+        """False, too, while an older attempt's ``finish`` is still in flight (waiting for groups
+        that may never come, or updating): its weights are about to run ahead, or may."""
+        if not self._finish_lock.acquire(blocking=False):
+            return False
+        try:
             return self._holds(checkpoint_uri)
+        finally:
+            self._finish_lock.release()
 
     def _holds(self, checkpoint_uri: str) -> bool:
         broken = bool(getattr(self.trainer, "broken", ""))  # a megatron gang that lost a rank
