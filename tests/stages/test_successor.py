@@ -103,3 +103,48 @@ def test_the_commit_keeps_the_checkpoint_a_step_between_checkpoints_rolls_back_t
     s2 = s1.successor(checkpoint_uri=ctx.store.uri(f"{ck}/step-000002-a/"), rollback_step=0)
     _collect_garbage(ctx, s2, s1)
     assert sorted({k.split("/")[3] for k in ctx.store.list(f"{ck}/")}) == ["base-x", "step-000000-a"]
+
+
+class _Tracker:
+    def __init__(self, logged: int) -> None:
+        self.logged, self.steps = logged, []
+
+    def state_pointer(self, run_id: str) -> tuple[str, int]:
+        return "", self.logged
+
+    def log_committed(self, c) -> None:  # type: ignore[no-untyped-def]
+        self.steps.append(c.state_step)
+        self.logged = c.state_step
+
+
+class _Services:
+    def __init__(self, tracker: _Tracker) -> None:
+        self.t = tracker
+
+    def tracking(self) -> _Tracker:
+        return self.t
+
+
+def test_mlflow_gets_each_missed_step_once_and_a_rolled_back_arm_its_re_run_steps(tmp_path) -> None:
+    from rollpacker.stages.commit import repair_tracking
+    from rollpacker.stages.messages import CommitRecord, LengthsLog
+
+    ctx = _ctx(tmp_path)
+    s = ControllerState("e", "tail_batching", -1, 7, 0, 0)
+    ctx.states.init(s)
+    chain = [s]
+    for step in range(3):
+        s = s.successor()
+        ctx.states.put_blob(step, "commit.json", CommitRecord(step, "a", "", "short", {}).to_json().encode())
+        ctx.states.put_blob(step, "lengths.json", LengthsLog("short", (1,)).to_json().encode())
+        ctx.states.commit(s)
+        chain.append(s)
+    for logged, state, want in (
+        (2, chain[3], []),  # up to date: nothing again
+        (0, chain[3], [1, 2]),  # MLflow was down for two steps
+        (2, chain[1], [0]),  # rolled back to step 0: its values again, then the re-run steps
+    ):
+        tracker = _Tracker(logged)
+        ctx.services = _Services(tracker)  # type: ignore[assignment]
+        repair_tracking(ctx, state)
+        assert tracker.steps == want, (logged, state.step)

@@ -193,7 +193,7 @@ def repair_tracking(ctx: StageContext, state: ControllerState) -> None:
     logged = pointer[1] if pointer is not None else -1
     # MLflow ahead of the state: the arm rolled back (checkpoint.every); the re-run step replaces
     # the lost one's values (a metric's newest value per step counts)
-    first = logged + 1 if logged < state.step else state.step
+    first = logged + 1 if logged <= state.step else state.step
     for step in range(first, state.step + 1):
         try:
             rec = CommitRecord.from_json(ctx.states.get_blob(step, "commit.json").decode())
