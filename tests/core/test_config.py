@@ -113,3 +113,20 @@ def test_policy_sub_configs_are_validated() -> None:
         from_mapping(RolloutConfig, {"partial": {"max_staleness": -1}}, "rollout.")
     with pytest.raises(ConfigError, match=r"train\.objective"):
         from_mapping(TrainerConfig, {"objective": "grpo"})
+
+
+def test_checkpoint_cadence_every_nth_step_and_the_last() -> None:
+    from rollpacker.core.config import CheckpointConfig, config_from_text
+
+    assert config_from_text("{}").checkpoint == CheckpointConfig(every=1, export_every=0)
+    two = CheckpointConfig(every=2, export_every=3)
+    assert [s for s in range(7) if two.due(s, 7)] == [1, 3, 5, 6]  # and the last step
+    assert [s for s in range(7) if two.export_due(s)] == [2, 5]
+    assert not any(CheckpointConfig().export_due(s) for s in range(10))
+    for text, match in (
+        ("checkpoint: {every: 0}", "checkpoint.every = 0: must be a positive integer"),
+        ("checkpoint: {export_every: -1}", "checkpoint.export_every = -1"),
+        ("checkpoint: {evry: 2}", "unknown config key.*checkpoint.evry"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            config_from_text(text)

@@ -138,6 +138,8 @@ def test_minimal_document_takes_the_defaults() -> None:
         (doc(partial_cache=[1]), r"partial_cache\[0\]: a buffer entry must be an object"),
         (doc(timeout_anchors="{}"), "timeout_anchors' must be a list"),
         (doc(timeout_anchors=[["case", "x"]]), "malformed field"),
+        (doc(rollback_step=-1), "'rollback_step' = -1 must be null or a step before this one"),
+        (doc(rollback_step="0", step=3), "'rollback_step' = '0' must be null"),
     ],
 )
 def test_bad_documents_raise_state_error(text: str, match: str) -> None:
@@ -171,3 +173,9 @@ def test_a_schema_1_document_is_upgraded() -> None:
     assert s.timeout_anchors == (("a", 1.0), ("b", 2.0)) and s.schema_version == SCHEMA_VERSION
     old["timeout_anchors"] = ""
     assert ControllerState.from_json(json.dumps(old)).timeout_anchors == ()
+
+
+def test_a_step_between_checkpoints_names_the_step_it_rolls_back_to() -> None:
+    s = base().successor().successor(rollback_step=-1)  # step 1, the last stored checkpoint at -1
+    assert ControllerState.from_json(s.to_json()) == s and s.rollback_step == -1
+    assert base().successor().rollback_step is None  # a stored checkpoint: nothing to roll back to

@@ -97,3 +97,27 @@ def test_an_update_that_fails_after_the_optimizer_step_is_rolled_back_by_the_nex
     svc.submit("a2", "g0", _group("g0", 0))
     assert svc.finish("a2", 0, ("g0",), "t/ckpt/a2/", "t/batch/a2").policy_version == 1
     svc.close()
+
+
+def test_a_step_between_checkpoints_stores_nothing_and_only_this_trainer_holds_its_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollpacker.core.errors import TrainerError
+
+    svc, state, base = _service(tmp_path, monkeypatch, "steps: 4\ncheckpoint: {every: 2}\n")
+    svc.begin("a0", state, base)
+    svc.submit("a0", "g0", _group("g0", 0))
+    r0 = svc.finish("a0", 0, ("g0",), "t/ckpt/s0/", "t/batch/s0")
+    assert not r0.stored and r0.metrics["train/checkpoint_stored"] == 0.0
+    assert not svc.store().list("t/ckpt/s0/")  # the key only names the weights in memory
+    assert svc.holds(r0.checkpoint_uri) and not svc.holds(base)
+    s0 = state.successor(checkpoint_uri=r0.checkpoint_uri, policy_version=1, rollback_step=-1)
+    assert not svc.begin("a1", s0, base).restored  # the next step goes on from memory
+    svc.submit("a1", "g1", _group("g1", 1))
+    r1 = svc.finish("a1", 1, ("g1",), "t/ckpt/s1/", "t/batch/s1")
+    assert r1.stored and svc.store().exists("t/ckpt/s1/trainer.json")
+    svc.close()
+    svc.trainer = None  # rebuilt: the weights of step 0 are gone, and no store has them
+    assert not svc.holds(r0.checkpoint_uri)
+    with pytest.raises(TrainerError, match=r"only in the trainer's memory .* rolls the arm back to step -1"):
+        svc.begin("a2", s0, base)

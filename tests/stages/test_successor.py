@@ -68,3 +68,83 @@ def test_step_metrics_merge_the_reports() -> None:
     m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
     assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
     assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0
+
+
+def test_a_step_between_checkpoints_names_the_last_stored_one(tmp_path) -> None:
+    """checkpoint.every: an unstored step's state names the step to roll back to; a stored one
+    clears it; a step with no update (the one-off pipeline's first) keeps its predecessor's."""
+    ctx = _ctx(tmp_path)
+    s = ControllerState("e", "tail_batching", -1, 7, 0, 0, checkpoint_uri="file:///base/")
+    chain = []
+    for i, stored in enumerate((False, False, True, False)):
+        s = successor(
+            ctx, s, _round(), None, TrainReport(f"file:///ck{i}/", i + 1, 4, stored=stored), "", 0.0
+        )
+        chain.append(s.rollback_step)
+    assert chain == [-1, -1, None, 2]
+    same = successor(ctx, s, _round(), None, TrainReport(s.checkpoint_uri, s.policy_version, 0), "", 0.0)
+    assert same.rollback_step == 2
+
+
+def test_the_commit_keeps_the_checkpoint_a_step_between_checkpoints_rolls_back_to(tmp_path) -> None:
+    from rollpacker.stages.commit import _collect_garbage
+
+    ctx = _ctx(tmp_path)
+    ck = "e/tail_batching/ckpt"
+    for d in ("base-x", "step-000000-a", "step-000000-b"):  # step 0's, and a failed attempt's
+        ctx.store.put_bytes(f"{ck}/{d}/trainer.json", b"{}")
+    s0 = ControllerState(
+        "e", "tail_batching", 0, 7, 0, 0, checkpoint_uri=ctx.store.uri(f"{ck}/step-000000-a/")
+    )
+    ctx.states.init(ControllerState("e", "tail_batching", -1, 7, 0, 0))
+    ctx.states.commit(s0)
+    s1 = s0.successor(checkpoint_uri=ctx.store.uri(f"{ck}/step-000001-a/"), rollback_step=0)  # not written
+    ctx.states.commit(s1)
+    s2 = s1.successor(checkpoint_uri=ctx.store.uri(f"{ck}/step-000002-a/"), rollback_step=0)
+    _collect_garbage(ctx, s2, s1)
+    assert sorted({k.split("/")[3] for k in ctx.store.list(f"{ck}/")}) == ["base-x", "step-000000-a"]
+
+
+class _Tracker:
+    def __init__(self, logged: int) -> None:
+        self.logged, self.steps = logged, []
+
+    def state_pointer(self, run_id: str) -> tuple[str, int]:
+        return "", self.logged
+
+    def log_committed(self, c) -> None:  # type: ignore[no-untyped-def]
+        self.steps.append(c.state_step)
+        self.logged = c.state_step
+
+
+class _Services:
+    def __init__(self, tracker: _Tracker) -> None:
+        self.t = tracker
+
+    def tracking(self) -> _Tracker:
+        return self.t
+
+
+def test_mlflow_gets_each_missed_step_once_and_a_rolled_back_arm_its_re_run_steps(tmp_path) -> None:
+    from rollpacker.stages.commit import repair_tracking
+    from rollpacker.stages.messages import CommitRecord, LengthsLog
+
+    ctx = _ctx(tmp_path)
+    s = ControllerState("e", "tail_batching", -1, 7, 0, 0)
+    ctx.states.init(s)
+    chain = [s]
+    for step in range(3):
+        s = s.successor()
+        ctx.states.put_blob(step, "commit.json", CommitRecord(step, "a", "", "short", {}).to_json().encode())
+        ctx.states.put_blob(step, "lengths.json", LengthsLog("short", (1,)).to_json().encode())
+        ctx.states.commit(s)
+        chain.append(s)
+    for logged, state, want in (
+        (2, chain[3], []),  # up to date: nothing again
+        (0, chain[3], [1, 2]),  # MLflow was down for two steps
+        (2, chain[1], [0]),  # rolled back to step 0: its values again, then the re-run steps
+    ):
+        tracker = _Tracker(logged)
+        ctx.services = _Services(tracker)  # type: ignore[assignment]
+        repair_tracking(ctx, state)
+        assert tracker.steps == want, (logged, state.step)

@@ -58,6 +58,10 @@ class CrashingStore:
     def list(self, prefix: str = "") -> builtins.list[str]:
         return self.real.list(prefix)
 
+    def delete(self, key: str) -> bool:
+        self._write(key)
+        return self.real.delete(key)
+
     def delete_prefix(self, prefix: str) -> int:
         return self.real.delete_prefix(prefix)
 
@@ -308,3 +312,51 @@ def test_reset_deletes_only_this_arm(store: ObjectStore, prefix: str) -> None:
     assert other.history() == [-1, 0]
     chain(mine, 0)  # an arm starts over after a reset
     assert mine.history() == [-1]
+
+
+def test_rewind_drops_the_steps_after_the_target_newest_first(states: StateStore, spy: CrashingStore) -> None:
+    s = chain(states, 3)
+    spy.writes.clear()
+    assert states.rewind(0) == s[1]
+    assert states.latest() == s[1] and states.history() == [-1, 0]
+    assert spy.writes == [  # the pointer leaves each document before it goes
+        states.pointer_key,
+        states.state_key(2),
+        states.pointer_key,
+        states.state_key(1),
+    ]
+    other = dataclasses.replace(advance(s[1]), cursor_position=999)  # the re-run step may differ
+    states.commit(other)
+    assert states.latest() == other
+
+
+@pytest.mark.parametrize("crash", ["pointer", "document"])
+def test_a_rewind_that_dies_midway_leaves_a_chain_and_completes_when_repeated(
+    states: StateStore, spy: CrashingStore, crash: str
+) -> None:
+    s = chain(states, 3)
+    # dies at the second move: step 2 is gone, step 1's document is still there
+    spy.crash_on = states.state_key(1) if crash == "document" else None
+    if crash == "pointer":
+        moves = iter([False, True])  # the second pointer write dies
+        real = spy._write
+
+        def write(key: str) -> None:
+            if key == states.pointer_key and next(moves):
+                raise StoreError("simulated crash before moving the pointer")
+            real(key)
+
+        spy._write = write  # type: ignore[method-assign]
+    with pytest.raises(StoreError, match="simulated crash"):
+        states.rewind(0)
+    assert states.recover() == s[2]  # a chain that reads: step 1, rolled forward onto or still named
+    assert states.history() == [-1, 0, 1]
+    spy.crash_on = None
+    spy._write = CrashingStore._write.__get__(spy)  # type: ignore[method-assign]
+    assert states.rewind(0) == s[1] and states.history() == [-1, 0]
+
+
+def test_rewind_outside_the_chain_is_refused(states: StateStore) -> None:
+    chain(states, 1)
+    with pytest.raises(StateError, match=r"rewind .* to step 3 refused: the chain holds steps -1\.\.0"):
+        states.rewind(3)

@@ -194,6 +194,14 @@ def test_delete_prefix_counts_and_stays_under_the_prefix(store: ObjectStore, pre
     assert store.get_bytes(f"{prefix}/arm") == b"now an object"
 
 
+def test_delete_removes_one_object_and_tells_whether_it_was_there(store: ObjectStore, prefix: str) -> None:
+    for key in ("d/a", "d/ab"):
+        store.put_bytes(f"{prefix}/{key}", b"1")
+    assert store.delete(f"{prefix}/d/a") is True
+    assert store.list(f"{prefix}/") == [f"{prefix}/d/ab"]  # not a prefix delete
+    assert store.delete(f"{prefix}/d/a") is False
+
+
 @pytest.mark.parametrize("bad", ["", "/", "x", "a/arm", "/abs/"])
 def test_delete_prefix_needs_a_dir_prefix(store: ObjectStore, prefix: str, bad: str) -> None:
     store.put_bytes(f"{prefix}/keep", b"1")

@@ -651,6 +651,42 @@ class ValidationConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """How often the trainer's state goes to the object store (docs/training.md, "Checkpoint
+    cadence"). A step between checkpoints commits its state document with its weights only in the
+    trainer's and the engine's memory; a failure that loses them rolls the arm back to the last
+    checkpointed step's state, and the steps after it (their prompts included) run again."""
+
+    every: int = 1  # a checkpoint after every N-th step (and after the last step)
+    export_every: int = 0  # Hugging Face weights under <experiment>/<arm>/export/ every N steps (0: never)
+    # committed step checkpoints the store keeps per arm after each commit (the newest stored ones;
+    # the one the committed state points at, or rolls back to, is always among them); the start
+    # model is kept besides. The store holds keep + 1 while a step writes its own (core/sizing.py,
+    # docs/operations.md "Volumes and sizes per model").
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        _positive_int("checkpoint.every", self.every)
+        _positive_int("checkpoint.keep", self.keep)
+        if (
+            isinstance(self.export_every, bool)
+            or not isinstance(self.export_every, int)
+            or self.export_every < 0
+        ):
+            raise ConfigError(
+                f"checkpoint.export_every = {self.export_every!r}: a whole number of steps, 0 for no export"
+            )
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether step ``step`` (0-based) of a run of ``steps`` writes a checkpoint: every
+        ``every``-th step and the last one."""
+        return (step + 1) % self.every == 0 or step == steps - 1
+
+    def export_due(self, step: int) -> bool:
+        return self.export_every > 0 and (step + 1) % self.export_every == 0
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """The object store the controller keeps state, checkpoints and profiles in.
 
@@ -818,19 +854,6 @@ def _arms(*names: str) -> tuple[ArmConfig, ...]:
 
 
 @dataclass(frozen=True)
-class CheckpointConfig:
-    """The step checkpoints in the store (docs/operations.md, "Volumes and sizes per model")."""
-
-    # committed step checkpoints the store keeps per arm after each commit (the newest ones; the
-    # one the committed state points at is always among them); the start model is kept besides.
-    # The store holds keep + 1 while a step writes its own (core/sizing.py).
-    keep: int = 2
-
-    def __post_init__(self) -> None:
-        _positive_int("checkpoint.keep", self.keep)
-
-
-@dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
 
@@ -847,13 +870,13 @@ class ExperimentConfig:
     train: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
     # the state store and the services.
     arms: tuple[ArmConfig, ...] = _arms("sync", "tail_batching")
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def arm(self, name: str) -> ArmConfig:
         for a in self.arms:

@@ -10,6 +10,8 @@ Invariants (tests/core/test_state.py):
 - a document of another schema version, a missing field or a wrong type is refused with a
   ``StateError`` naming the field (a corrupt state is never half-loaded);
 - ``next_step`` is ``step + 1``: the step a re-run after a crash repeats is the first uncommitted one;
+- ``rollback_step``, when set, names an earlier step: the one whose stored checkpoint a run that
+  lost this step's in-memory weights resumes from (``checkpoint.every``);
 - every field is typed (the rollout buffer as ``BufferEntry``s, the sandbox's timeout anchors as
   (test case, seconds) pairs): no JSON inside the JSON; a schema-1 document (anchors as a JSON
   string) is read and upgraded.
@@ -73,6 +75,11 @@ class ControllerState:
     length_history: tuple[tuple[str, int], ...] = ()  # (prompt id, longest response) per trained prompt
     checkpoint_uri: str = ""  # the policy the next step rolls out with
     policy_version: int = 0
+    # a step between checkpoints (``checkpoint.every``): its weights (``checkpoint_uri`` names
+    # them) live only in the trainer's and the engine's memory, and this is the last committed step
+    # whose checkpoint is in the store, the state a run that lost them rolls back to; None: the
+    # weights at ``checkpoint_uri`` are in the store
+    rollback_step: int | None = None
     profile_uri: str = ""
     profile_drift: float = 0.0  # last step: |predicted - measured| / measured decode time
     # one-off pipeline: the rewarded samples of the last step, trained at the next one
@@ -147,6 +154,13 @@ class ControllerState:
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be an integer")
         if kw.get("step", 0) < -1:
             raise StateError(f"{where}: step {kw['step']} < -1 (-1 is the initial state)")
+        back = kw.get("rollback_step")
+        if back is not None and (
+            not isinstance(back, int) or isinstance(back, bool) or not -1 <= back < kw.get("step", 0)
+        ):
+            raise StateError(
+                f"{where}: field 'rollback_step' = {back!r} must be null or a step before this one"
+            )
         for name in ("experiment", "arm", "checkpoint_uri", "profile_uri", "pending_batch_uri"):
             if name in kw and not isinstance(kw[name], str):
                 raise StateError(f"{where}: field {name!r} = {kw[name]!r} must be a string")

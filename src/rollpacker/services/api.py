@@ -149,6 +149,9 @@ class TrainReport(Message):
     samples: int  # samples the update trained (one-off: the previous step's)
     pending_batch_uri: str = ""  # one-off: this step's samples, trained at the next step
     metrics: dict[str, float] = field(default_factory=dict)
+    # False: a step between checkpoints (checkpoint.every); the weights checkpoint_uri names are
+    # only in the trainer's and the engine's memory
+    stored: bool = True
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,10 @@ class RolloutAPI(Protocol):
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float: ...
 
+    def holds(self, checkpoint_uri: str) -> bool:
+        """Whether a live engine serves the weights ``checkpoint_uri`` names (a step between
+        checkpoints: they are in no store, only pushed into the engine)."""
+
 
 class RewardAPI(Protocol):
     """Rule and sandbox rewards (role ``reward``) or the LLM judge (role ``judge``)."""
@@ -253,6 +260,10 @@ class TrainerAPI(Protocol):
     def finish(
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
     ) -> TrainReport: ...
+
+    def holds(self, checkpoint_uri: str) -> bool:
+        """Whether the trainer's memory holds exactly the weights and optimizer state
+        ``checkpoint_uri`` names (a step between checkpoints: they are in no store)."""
 
     def repurpose(self, attempt: str, devices: tuple[str, ...]) -> DeviceLease:
         """Rollout freed ``devices`` (scale-down): compute the streamed gradients on them until

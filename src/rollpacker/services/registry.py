@@ -271,6 +271,9 @@ class RolloutProxy(RolloutAPI):
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         return self._h.call(RolloutAPI.load_weights, policy_version, checkpoint_uri, weights)
 
+    def holds(self, checkpoint_uri: str) -> bool:
+        return self._h.call(RolloutAPI.holds, checkpoint_uri)
+
 
 class RewardProxy(RewardAPI):
     def __init__(self, h: Handle) -> None:
@@ -309,6 +312,9 @@ class TrainerProxy(TrainerAPI):
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
     ) -> TrainReport:
         return self._h.call(TrainerAPI.finish, attempt, step, expected, checkpoint_key, batch_key)
+
+    def holds(self, checkpoint_uri: str) -> bool:
+        return self._h.call(TrainerAPI.holds, checkpoint_uri)
 
     def repurpose(self, attempt: str, devices: tuple[str, ...]) -> DeviceLease:
         return self._h.call(TrainerAPI.repurpose, attempt, devices)

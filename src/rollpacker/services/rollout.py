@@ -130,6 +130,12 @@ class RolloutService(Service, RolloutAPI):
                 forget_cached(self.engine)
                 self._rounds_on_weights = 0
             return EngineSync(False, False, 0.0, self.policy_version)
+        if state.rollback_step is not None:
+            raise RollpackerError(
+                f"step {state.step}'s weights ({state.checkpoint_uri}) were only pushed into the engine "
+                f"(checkpoint.every = {self.cfg.checkpoint.every}), which no longer serves them: re-run "
+                f"the step from its plan, which rolls the arm back to step {state.rollback_step}"
+            )
         local = cached_download(self.store(), state.checkpoint_uri, checkpoint_cache())
         model_dir = local / "model" if (local / "model").is_dir() else local
         if self.engine is None:
@@ -286,6 +292,14 @@ class RolloutService(Service, RolloutAPI):
             self.checkpoint_uri = checkpoint_uri
             self._rounds_on_weights = 0  # the engine dropped its prefix cache with the old weights
         return time.perf_counter() - t0
+
+    def holds(self, checkpoint_uri: str) -> bool:
+        with self._round_lock:
+            return (
+                not self._drop_if_dead("holds")
+                and self.engine is not None
+                and (self.checkpoint_uri == checkpoint_uri)
+            )
 
     # -- planning ---------------------------------------------------------------------------------
     def data(self) -> TaskData:

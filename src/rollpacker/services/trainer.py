@@ -5,6 +5,15 @@ accumulate at once; the training stage calls ``finish``, which waits for every g
 produced, takes the one deferred optimizer step, writes the checkpoint to the object store under
 an attempt-unique prefix, and pushes the new weights into the rollout engine in place.
 
+Checkpoint cadence (``checkpoint.every``): a checkpoint is written after every N-th step and the
+last one. A step between checkpoints names its weights with its checkpoint key but writes nothing
+(``TrainReport.stored`` False): they live in this trainer and, pushed, in the engine. ``holds``
+tells the plan stage whether they are still here; when they are not (a rank died, the service was
+rebuilt, an update ran ahead of the state), the plan rolls the arm back to the last stored
+checkpoint (``stages/plan.py``). The megatron backend streams its checkpoint: every rank uploads
+its own shard files and the Hugging Face weights go up one bucket at a time, so no disk holds the
+whole checkpoint (``MegatronTrainer.store_checkpoint``).
+
 In the one-off pipeline (``rollout.one_off``, RollPacker 6.7) the groups of step t are held, not
 trained: ``finish`` writes them to the object store as the pending batch (the state points to it),
 and step t+1's ``begin`` streams that batch's gradients while step t+1 rolls out with the weights
@@ -33,6 +42,8 @@ Invariants:
   committed state (the training stage died after its update) is rolled back;
 - ``finish`` trains on exactly the round's groups: a missing or unexpected group is an error;
 - a checkpoint URI is never rewritten: a re-run step writes under its own attempt prefix;
+- a state whose weights are in no store is never restored from one: ``begin`` refuses it, naming
+  the step the plan rolls back to;
 - repurposed devices are held only within one attempt: ``finish``, ``begin`` and ``close`` give
   them back, and a ``repurpose`` of another attempt is ignored.
 """
@@ -57,6 +68,7 @@ from rollpacker.core.state import ControllerState
 from rollpacker.services.api import DeviceLease, PendingBatch, TrainerAPI, TrainerBegin, TrainReport
 from rollpacker.services.base import Service, ServiceError, checkpoint_cache
 from rollpacker.store.base import ObjectStore, cached_download
+from rollpacker.store.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +120,13 @@ class TrainerService(Service, TrainerAPI):
         if self.stream is not None:
             self.stream.close()  # joins the worker: an older attempt's gradients finish or stop here
             self.stream = None
-        broken = bool(getattr(self.trainer, "broken", ""))  # a megatron gang that lost a rank
-        restored = self.trainer is None or broken or self.checkpoint_uri != state.checkpoint_uri
+        restored = not self._holds(state.checkpoint_uri)
+        if restored and state.rollback_step is not None:
+            raise TrainerError(
+                f"step {state.step}'s weights ({state.checkpoint_uri}) were only in the trainer's memory "
+                f"(checkpoint.every = {self.cfg.checkpoint.every}) and this trainer no longer holds them: "
+                f"re-run the step from its plan, which rolls the arm back to step {state.rollback_step}"
+            )
         if restored:
             self._restore(state.checkpoint_uri, base_uri)
         if self.trainer.policy_version != state.policy_version:
@@ -170,6 +187,20 @@ class TrainerService(Service, TrainerAPI):
             if base:
                 return  # the base model: the gang was built from it
         self.trainer.load_checkpoint(ck)
+
+    def holds(self, checkpoint_uri: str) -> bool:
+        """False, too, while an older attempt's ``finish`` is still in flight (waiting for groups
+        that may never come, or updating): its weights are about to run ahead, or may."""
+        if not self._finish_lock.acquire(blocking=False):
+            return False
+        try:
+            return self._holds(checkpoint_uri)
+        finally:
+            self._finish_lock.release()
+
+    def _holds(self, checkpoint_uri: str) -> bool:
+        broken = bool(getattr(self.trainer, "broken", ""))  # a megatron gang that lost a rank
+        return self.trainer is not None and not broken and self.checkpoint_uri == checkpoint_uri
 
     def submit(self, attempt: str, prompt_id: str, samples: tuple[TrainSample, ...]) -> None:
         with self._cond:
@@ -236,7 +267,7 @@ class TrainerService(Service, TrainerAPI):
         with self._finish_lock:
             self._whole_node(attempt)
             try:
-                return self._finish(attempt, step, want, checkpoint_key, batch_key, t0)
+                return self._finish(attempt, step, want, (checkpoint_key, batch_key), t0)
             finally:
                 self._whole_node_back()
 
@@ -258,8 +289,9 @@ class TrainerService(Service, TrainerAPI):
                 self._threads = self._threads.at(time.perf_counter() - self._t0, threads)
 
     def _finish(
-        self, attempt: str, step: int, want: set[str], checkpoint_key: str, batch_key: str, t0: float
+        self, attempt: str, step: int, want: set[str], keys: tuple[str, str], t0: float
     ) -> TrainReport:
+        checkpoint_key, batch_key = keys
         timeout_s = self.cfg.services.call_timeout_s
         with self._cond:
             if not self._attempt:
@@ -296,7 +328,10 @@ class TrainerService(Service, TrainerAPI):
                     **self._device_metrics(),
                 }
                 return TrainReport(self.checkpoint_uri, self.trainer.policy_version, 0, pending_uri, held)
-        return self._update(samples, wait_s, checkpoint_key, pending_uri)
+        ck = self.cfg.checkpoint
+        export_key = StateStore(self.store(), self.cfg.experiment, self.arm).export_prefix(step, attempt)
+        keys = (checkpoint_key, export_key if ck.export_due(step) else "")
+        return self._update(samples, wait_s, keys, pending_uri, ck.due(step, self.cfg.steps))
 
     def _push_weights(self, uri: str, weights: dict[str, Any]) -> None:
         """The new weights into the rollout engine. A rollout service that died since the last push
@@ -310,8 +345,13 @@ class TrainerService(Service, TrainerAPI):
             log.warning("trainer: %s; pushing the weights to the rebuilt rollout service", e)
             self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
 
-    def _update(self, samples: int, wait_s: float, checkpoint_key: str, pending_uri: str) -> TrainReport:
-        """The deferred optimizer step, the checkpoint in the store, the weight push."""
+    def _update(
+        self, samples: int, wait_s: float, keys: tuple[str, str], pending_uri: str, store: bool
+    ) -> TrainReport:
+        """The deferred optimizer step, the checkpoint in the store (``store``: a checkpoint is due;
+        otherwise the checkpoint key only names the weights in memory), the weight push, and the
+        Hugging Face export when the export key is given."""
+        checkpoint_key, export_key = keys
         lag = policy_lag(self._versions, self.trainer.policy_version)
         # the trainer leaves its checkpoint now: should anything fail before the new one is stored,
         # the next begin restores the committed one instead of trusting the weights in memory
@@ -322,13 +362,13 @@ class TrainerService(Service, TrainerAPI):
             self._give_back()  # before the checkpoint and the weight push: the next round's devices
         devices = self._device_metrics()
         t_ck = time.perf_counter()
-        with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
-            ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
-            uri = self.store().upload_dir(ck, checkpoint_key)
+        uri = self._store_checkpoint(checkpoint_key) if store else self.store().uri(checkpoint_key)
         ckpt_s = time.perf_counter() - t_ck
         self.checkpoint_uri = uri
         t_gather = time.perf_counter()
         weights = {n: t.detach().clone() for n, t in self.trainer.weights()}  # megatron: gathered in buckets
+        if export_key:
+            export_weights(self.store(), export_key, weights, self.trainer.model_dir)
         t_sync = time.perf_counter()
         self._push_weights(uri, weights)
         sync_s = time.perf_counter() - t_sync
@@ -339,6 +379,7 @@ class TrainerService(Service, TrainerAPI):
             policy_version=self.trainer.policy_version,
             samples=samples,
             pending_batch_uri=pending_uri,
+            stored=store,
             metrics={
                 **lag.logged("train"),
                 "train/behav_weight": st.behav_weight,
@@ -352,11 +393,22 @@ class TrainerService(Service, TrainerAPI):
                 "train/ratio_mean": st.ratio_mean,
                 "train/kl": st.kl,
                 "train/checkpoint_s": ckpt_s,
+                "train/checkpoint_stored": float(store),
                 "weights/sync_s": sync_s,
                 "sync/weights_s": gather_s + sync_s,  # gather (TP/PP shards to HF names) + push
                 **devices,
             },
         )
+
+    def _store_checkpoint(self, key: str) -> str:
+        """The trainer's checkpoint at ``key`` in the store. A backend that streams its shards
+        (megatron: every rank uploads its own) writes no local copy of the whole checkpoint."""
+        streams = getattr(self.trainer, "store_checkpoint", None)
+        if streams is not None:
+            return str(streams(self.store(), self.cfg.store, key))
+        with tempfile.TemporaryDirectory(prefix="rollpacker-ckpt-") as tmp:
+            ck = self.trainer.save_checkpoint(Path(tmp) / "ckpt")
+            return self.store().upload_dir(ck, key)
 
     def close(self) -> None:
         self._give_back()
@@ -378,6 +430,48 @@ def _cores(devices: tuple[str, ...]) -> frozenset[int] | None:
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     cores = frozenset(int(d) for d in devices if d.isdigit() and int(d) in allowed)
     return cores or None
+
+
+EXPORT_FILE_BYTES = 2 * 2**30  # one safetensors file of an export: written, uploaded, deleted
+
+
+def export_weights(store: ObjectStore, key: str, weights: dict[str, Any], model_dir: Path) -> str:
+    """The Hugging Face model at ``key`` (``checkpoint.export_every``): the weights in files of at
+    most ``EXPORT_FILE_BYTES`` (a larger tensor comes alone), each uploaded and deleted before the
+    next is written, an index, and the model's config and tokenizer files. Returns the URI."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
+
+    parts: list[dict[str, Any]] = [{}]
+    size = 0
+    for name, t in weights.items():
+        n = t.numel() * t.element_size()
+        if parts[-1] and size + n > EXPORT_FILE_BYTES:
+            parts.append({})
+            size = 0
+        parts[-1][name] = t.contiguous()
+        size += n
+    index: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="rollpacker-export-") as tmp:
+        for i, part in enumerate(parts):
+            d = Path(tmp) / f"part-{i}"
+            d.mkdir()
+            name = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            save_file(part, str(d / name), metadata={"format": "pt"})
+            store.upload_dir(d, key)
+            shutil.rmtree(d)
+            index.update(dict.fromkeys(part, name))
+        meta = Path(tmp) / "meta"
+        meta.mkdir()
+        (meta / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
+            if (Path(model_dir) / f).is_file():
+                shutil.copy2(Path(model_dir) / f, meta / f)
+        return store.upload_dir(meta, key)
 
 
 def save_batch(store: ObjectStore, key: str, samples: list[TrainSample]) -> str:

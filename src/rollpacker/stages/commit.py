@@ -168,17 +168,18 @@ def log_step(
 
 def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerState) -> None:
     """Step checkpoints neither retained (``checkpoint.keep``) nor committed, and one-off batches
-    neither of the last two states points to (failed attempts, older steps) are deleted; the base
-    model stays; the buffer is in the state now."""
+    neither of the last two states points to (failed attempts, older steps) are deleted, except
+    those of the state a step between checkpoints rolls back to; the base model stays; the buffer
+    is in the state now."""
+    back = new.rollback_step
+    kept = (new, old) if back is None else (new, old, ctx.states.load(back))
     ck = f"{ctx.prefix}/ckpt/"
     keep = retained_checkpoints(ctx, new, old) | _keys(ctx, old.checkpoint_uri)  # old: still committed
     for d in _dirs(ctx, ck):
         if not d.startswith("base") and f"{ck}{d}" not in keep:
             ctx.store.delete_prefix(f"{ck}{d}/")
     batches = f"{ctx.prefix}/batches/"
-    keep = {
-        ctx.store.key_of(u).rsplit("/", 1)[0] for u in (new.pending_batch_uri, old.pending_batch_uri) if u
-    }
+    keep = {ctx.store.key_of(u).rsplit("/", 1)[0] for u in (s.pending_batch_uri for s in kept) if u}
     for d in _dirs(ctx, batches):
         if f"{batches}{d}" not in keep:
             ctx.store.delete_prefix(f"{batches}{d}/")
@@ -186,8 +187,10 @@ def _collect_garbage(ctx: StageContext, new: ControllerState, old: ControllerSta
 
 
 def retained_checkpoints(ctx: StageContext, new: ControllerState, old: ControllerState) -> set[str]:
-    """The keys (no trailing ``/``) of the newest ``checkpoint.keep`` distinct step checkpoints the
-    committed chain points at, ``new`` first; earlier states are read only when ``keep`` > 2."""
+    """The keys (no trailing ``/``) of the newest ``checkpoint.keep`` distinct step checkpoints in the
+    store that the committed chain points at, ``new`` first; earlier states are read only when
+    needed. A step between checkpoints (``checkpoint.every``: its weights only in the trainer and
+    the engine) stores none and does not count, so the checkpoint it rolls back to is always kept."""
     keep, base = ctx.cfg.checkpoint.keep, f"{ctx.prefix}/ckpt/base"
     out: list[str] = []
     states = iter((new, old))
@@ -198,6 +201,8 @@ def retained_checkpoints(ctx: StageContext, new: ControllerState, old: Controlle
             if step < 0:
                 break
             state, step = ctx.states.load(step), step - 1
+        if state.rollback_step is not None:
+            continue  # nothing stored for it
         for key in _keys(ctx, state.checkpoint_uri):
             if not key.startswith(base) and key not in out:
                 out.append(key)
@@ -224,7 +229,11 @@ def repair_tracking(ctx: StageContext, state: ControllerState) -> None:
     commit records (MLflow's state pointer says how far it got): the step just committed, and any
     step whose logging failed before (MLflow down, or a commit that died after moving the pointer)."""
     pointer = ctx.tracker.state_pointer(state.mlflow_run_id)
-    for step in range((pointer[1] if pointer is not None else -1) + 1, state.step + 1):
+    logged = pointer[1] if pointer is not None else -1
+    # MLflow ahead of the state: the arm rolled back (checkpoint.every); the re-run step replaces
+    # the lost one's values (a metric's newest value per step counts)
+    first = logged + 1 if logged <= state.step else state.step
+    for step in range(first, state.step + 1):
         try:
             rec = CommitRecord.from_json(ctx.states.get_blob(step, "commit.json").decode())
             lens = LengthsLog.from_json(ctx.states.get_blob(step, "lengths.json").decode())

@@ -8,12 +8,18 @@ Invariants:
 - the arm's first plan creates step -1: the base model in the store, the cursor at the start, the
   arm's MLflow run, and the validation before any RL (logged at step 0);
 - a dataset file (``task.name``) is in the store before any service reads it: the services' pods
-  see only the store (``tasks.dataset_store``).
+  see only the store (``tasks.dataset_store``);
+- a committed step between checkpoints (``checkpoint.every``) whose weights the trainer or the
+  engine no longer holds is never trained on: the arm rolls back to the last step with a stored
+  checkpoint (``StateStore.rewind``), and the steps after it, their prompts included, run again,
+  so every prompt is trained exactly once relative to the weights that survived.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 import time
 import uuid
 
@@ -27,6 +33,8 @@ from rollpacker.tasks.dataset_store import publish
 from rollpacker.tasks.models import prepare_model
 from rollpacker.tracking import flatten_params
 
+log = logging.getLogger(__name__)
+
 
 def plan(ctx: StageContext) -> StepPlan:
     """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
@@ -39,6 +47,7 @@ def plan(ctx: StageContext) -> StepPlan:
         ctx.tracker.check()  # an arm starts only with MLflow up: its run holds the comparison
         state = _init_state(ctx)
     else:  # the state is the truth: a step goes on without MLflow, and logs what it missed later
+        state = _roll_back_if_lost(ctx, state)
         ctx.tracking_optional("logging the steps MLflow missed", lambda: _check_and_repair(ctx, state))
     step = state.next_step
     attempt = uuid.uuid4().hex[:12]
@@ -103,6 +112,27 @@ def _init_state(ctx: StageContext) -> ControllerState:
     )
     ctx.states.init(state)
     return state
+
+
+def _roll_back_if_lost(ctx: StageContext, state: ControllerState) -> ControllerState:
+    """``state``, or, when it is a step between checkpoints whose weights the trainer or the
+    engine lost (a crash, a rebuilt service, an update that ran ahead), the state of the last step
+    whose checkpoint is stored: the chain is rewound to it and the lost steps run again."""
+    back = state.rollback_step
+    if back is None:
+        return state
+    uri = state.checkpoint_uri
+    if ctx.services.trainer().holds(uri) and ctx.services.rollout().holds(uri):
+        return state
+    lost = f"step {state.step}" if back == state.step - 1 else f"steps {back + 1}..{state.step}"
+    msg = (
+        f"[{ctx.arm}] the weights {lost} trained are in no store (checkpoint.every = "
+        f"{ctx.cfg.checkpoint.every}) and a service lost them: rolling back to step {back}'s checkpoint; "
+        f"{lost} {'runs' if back == state.step - 1 else 'run'} again"
+    )
+    log.warning(msg)
+    print(msg, file=sys.stderr, flush=True)
+    return ctx.states.rewind(back)
 
 
 def _check_and_repair(ctx: StageContext, state: ControllerState) -> None:

@@ -51,6 +51,7 @@ def successor(
         timeout_anchors=anchors_from.timeout_anchors if anchors_from else state.timeout_anchors,
         length_history=tuple(list(hist.items())[-LENGTH_HISTORY_MAX:]),
         checkpoint_uri=tr.checkpoint_uri,
+        rollback_step=rollback_step(state, tr),
         policy_version=tr.policy_version,
         profile_uri=profile_uri or state.profile_uri,
         # a fresh profile was measured this step; otherwise how far this step's decode drifted
@@ -58,6 +59,16 @@ def successor(
         trained_samples=state.trained_samples + tr.samples,
         trained_prompts=state.trained_prompts + len(r.trained),
     )
+
+
+def rollback_step(state: ControllerState, tr: TrainReport) -> int | None:
+    """The step a run that loses this step's weights rolls back to: None when they are stored,
+    else the last step whose checkpoint is (``checkpoint.every``)."""
+    if tr.checkpoint_uri == state.checkpoint_uri:  # no update (one-off's first step): as before
+        return state.rollback_step
+    if tr.stored:
+        return None
+    return state.step if state.rollback_step is None else state.rollback_step
 
 
 def replayed_plan(

@@ -17,6 +17,8 @@ Contract:
   naming the URI;
 - ``list(prefix)`` returns every key starting with ``prefix`` (a string prefix, recursive), sorted,
   and never a partly written object;
+- ``delete(k)`` deletes the object ``k`` and returns whether there was one (a missing key is no
+  error);
 - ``delete_prefix(prefix)`` takes a ``dir/`` prefix ending in ``/`` (so ``a/b/`` never takes
   ``a/bc`` with it), deletes every key under it and returns how many it deleted (0 when none);
 - ``upload_dir(d, p)`` writes every file under ``d`` to ``p/<relative path>`` and returns
@@ -100,6 +102,10 @@ class ObjectStore(Protocol):
 
     def list(self, prefix: str = "") -> builtins.list[str]:
         """Every key starting with ``prefix`` (recursive), sorted."""
+        ...
+
+    def delete(self, key: str) -> bool:
+        """Delete the object ``key``; True when it existed."""
         ...
 
     def delete_prefix(self, prefix: str) -> int:

@@ -153,6 +153,16 @@ class FileStore:
                     keys.append(key)
         return sorted(keys)
 
+    def delete(self, key: str) -> bool:
+        path = self._path(key)
+        self._root()
+        with self._io(key, "delete"):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return False
+        return True
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under the ``dir/`` prefix ``prefix`` and the directories that leaves
         empty (never the root); returns how many objects were deleted."""

@@ -105,6 +105,9 @@ class PatientStore:
     def list(self, prefix: str = "") -> builtins.list[str]:
         return self._patiently(f"list {prefix}", lambda: self.inner.list(prefix))
 
+    def delete(self, key: str) -> bool:
+        return self._patiently(f"delete {key}", lambda: self.inner.delete(key))
+
     def delete_prefix(self, prefix: str) -> int:
         return self._patiently(f"delete {prefix}", lambda: self.inner.delete_prefix(prefix))
 

@@ -322,6 +322,14 @@ class S3Store:
                 if o.object_name and not o.is_dir
             )
 
+    def delete(self, key: str) -> bool:
+        check_key(key)
+        if not self.exists(key):
+            return False
+        with self._s3(f"delete {self.uri(key)}"):
+            self._client.remove_object(self.bucket, key)
+        return True
+
     def delete_prefix(self, prefix: str) -> int:
         """Delete every object under ``prefix`` (which must end with ``/``, so that ``a/b/`` never
         takes ``a/bc/`` with it); returns how many were deleted."""

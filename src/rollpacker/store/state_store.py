@@ -26,6 +26,8 @@ Invariants (tests/store/test_state_store.py):
 - a step document, once written, never changes: a different state for a written step is refused,
   the same state again is an idempotent no-op;
 - a missing or corrupt document or pointer raises ``StateError`` saying what to do, never ``None``.
+- ``rewind(k)`` removes the documents after ``k`` newest first, the pointer moved off each
+  before it goes: a crash during it leaves a chain ``recover`` reads.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class StateStore:
     def checkpoint_prefix(self, step: int) -> str:
         """Key prefix (ending in ``/``) of the checkpoint step ``step`` trained."""
         return f"{self.prefix}ckpt/step-{step:06d}/"
+
+    def export_prefix(self, step: int, attempt: str) -> str:
+        """Key prefix of step ``step``'s Hugging Face export (``checkpoint.export_every``): outside
+        ``ckpt/``, so the commit's collection never deletes it."""
+        return f"{self.prefix}export/step-{step:06d}-{attempt}/"
 
     def checkpoint_uri(self, step: int) -> str:
         return self.store.uri(self.checkpoint_prefix(step))
@@ -210,6 +217,24 @@ class StateStore:
         state = self.load(nxt)
         self.store.put_json(self.pointer_key, {"step": state.step, "key": self.state_key(nxt)})
         return state
+
+    def rewind(self, step: int) -> ControllerState:
+        """Roll the chain back to committed step ``step``: the documents after it are deleted, the
+        newest first, each after the pointer has moved off it (``checkpoint.every``: the steps
+        after the last stored checkpoint, whose weights were lost, run again). Crash-safe: the
+        pointer always names a document, and at most the document one past it is left, which
+        ``recover`` rolls forward onto; the caller then rewinds again. Returns ``step``'s state."""
+        latest = self.latest()
+        if latest is None or not INITIAL_STEP <= step <= latest.step:
+            raise StateError(
+                f"rewind of {self.experiment}/{self.arm} to step {step} refused: the chain holds steps "
+                f"{INITIAL_STEP}..{None if latest is None else latest.step}"
+            )
+        self.load(step)  # the target is there and sound before anything is deleted
+        for s in range(latest.step, step, -1):
+            self.store.put_json(self.pointer_key, {"step": s - 1, "key": self.state_key(s - 1)})
+            self.store.delete(self.state_key(s))
+        return self.load(step)
 
     def reset(self) -> int:
         """Delete everything of this arm (states, blobs, checkpoints); returns the object count.

@@ -10,6 +10,7 @@ dist_checkpointing checkpoint with the distributed optimizer; a dead rank fails 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,37 @@ def _adam(**kw: Any) -> TrainerConfig:
     return TrainerConfig(lr=1e-3, grad_clip=1.0, tokens_per_micro_batch=64, backend="megatron", megatron=m)
 
 
+def _streamed_checkpoint(mt: Any, tmp_path: Path) -> Path:
+    """``store_checkpoint`` into a file store: each rank uploads its own shard files, the HF
+    weights go up one bucket file at a time; the download is a checkpoint ``load_checkpoint`` reads."""
+    from safetensors.torch import load_file
+
+    from rollpacker.core.config import StoreConfig
+    from rollpacker.store import open_store
+
+    cfg = StoreConfig(endpoint=f"file://{tmp_path / 'store'}")
+    store = open_store(cfg)
+    uri_key = store.key_of
+    small = mt.mcfg
+    mt.mcfg = dataclasses.replace(small, bucket_mb=0.05)  # several HF files
+    try:
+        uri = mt.store_checkpoint(store, cfg, "exp/arm/ckpt/step-000000-a/")
+    finally:
+        mt.mcfg = small
+    keys = store.list("exp/arm/ckpt/step-000000-a/")
+    # the ranks' shard files (DP replicas save a replicated tensor once) and rank 0's metadata
+    assert any(k.endswith(".distcp") for k in keys) and f"{uri_key(uri)}dist/.metadata" in keys, keys
+    assert sum("/model/model-" in k for k in keys) > 1, keys
+    assert not list(Path(tempfile.gettempdir()).glob("rollpacker-dist-r*"))  # no scratch left behind
+    ck = store.download_dir(uri, tmp_path / "ck")
+    hf: dict[str, Any] = {}
+    for f in sorted((ck / "model").glob("*.safetensors")):
+        hf.update(load_file(str(f)))
+    now = dict(mt.weights())
+    assert set(hf) == set(now) and all(torch.equal(hf[n], now[n]) for n in hf)
+    return ck
+
+
 def test_adam_resume_is_exact_with_the_distributed_optimizer(
     gqa_untied: Path, tmp_path: Path, ray_local: None
 ) -> None:
@@ -133,8 +165,7 @@ def test_adam_resume_is_exact_with_the_distributed_optimizer(
         want = ref.finish_step()
         assert first.grad_norm == pytest.approx(want.grad_norm, rel=1e-5)
         assert first.loss == pytest.approx(want.loss, rel=1e-5, abs=1e-7)
-        ck = mt.save_checkpoint(tmp_path / "ckpt")
-        assert (ck / "model" / "model.safetensors").is_file() and (ck / "dist").is_dir()
+        ck = _streamed_checkpoint(mt, tmp_path)
         stream(mt, 1)
         mt.finish_step()
         after = dict(mt.weights())

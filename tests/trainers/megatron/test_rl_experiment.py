@@ -1,8 +1,10 @@
 """An RL experiment with ``train.backend: megatron`` at TP=2 (the inline runner: stages and services
 in this process, the gang in a local Ray head, the vLLM CPU engine): 3 steps, the weights pushed
-into the engine after every update; and the same experiment with every rank of the gang SIGKILLed
-in the middle of step 2's rollout (the stream trainer holds accumulated gradients then). The run's
-own retry rebuilds the gang from step 1's checkpoint, re-runs step 2 and ends with checkpoints
+into the engine after every update; and the same experiment with ``checkpoint.every: 2`` and every
+rank of the gang SIGKILLed in the middle of step 2's rollout (the stream trainer holds accumulated
+gradients then), between checkpoints: step 1 stored none, its weights were only in the gang and
+the engine. The run's own retry rolls the arm back to the base model's state, rebuilds the gang
+from it, re-runs steps 1 and 2 (step 1's prompts trained again, once) and ends with checkpoints
 bit-identical to the uninterrupted run's: the kill lost nothing and left nothing behind."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 STEPS = 3
 
 
-def _config(tmp: Path, experiment: str) -> Path:
+def _config(tmp: Path, experiment: str, extra: str = "") -> Path:
     cfg = tmp / f"{experiment}.yaml"
     cfg.write_text(
         f"""
@@ -33,6 +35,7 @@ engine: {{max_num_seqs: 16, max_model_len: 200, kv_cache_gib: 1}}
 planner: {{profile_batches: [1, 8], profile_contexts: [16, 64], profile_window: 4}}
 validation: {{every: 100, max_tokens: 32}}
 train: {{backend: megatron, megatron: {{tp: 2}}}}
+{extra}
 """
     )
     return cfg
@@ -58,19 +61,20 @@ def _weights(store: object, uri: str, tmp: Path) -> dict[str, object]:
 
     ck = cached_download(store, uri, tmp)  # type: ignore[arg-type]
     out: dict[str, object] = {}
-    for f in sorted((ck / "model").glob("*.safetensors")):
+    for f in sorted((ck / "model" if (ck / "model").is_dir() else ck).glob("*.safetensors")):
         out.update(load_file(str(f)))
     assert out, f"no weights in {ck}"
     return out
 
 
 def test_megatron_tp2_experiment_syncs_every_step_and_resumes_exactly_after_a_kill(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     import torch
 
     from rollpacker.experiment import run_experiment
     from rollpacker.stages.hooks import HOOK_ENV
+    from rollpacker.testing.chain import chain_problems
     from rollpacker.testing.faults import HOOK, mark_name, service_pids
     from rollpacker.tracking import ExperimentTracker
 
@@ -93,16 +97,20 @@ def test_megatron_tp2_experiment_syncs_every_step_and_resumes_exactly_after_a_ki
         lines.append(s)
         print(s)
 
-    killed_cfg = _config(tmp_path, "mg-killed")
+    killed_cfg = _config(tmp_path, "mg-killed", "checkpoint: {every: 2, export_every: 3}")
     killed = run_experiment(killed_cfg, runner="inline", retries=1, start_services=False, echo=echo)
     assert [p.name for p in marks.iterdir()] == [mark_name(fault)]
     (arm,) = killed.arms
     assert arm.failures == 1 and arm.committed_step == STEPS - 1, lines
     failure = next(s for s in lines if "a step failed" in s)
     assert "a rank died" in failure and "re-running from step 1" in failure, failure  # 0-based
+    assert "the weights step 0 trained are in no store" in capfd.readouterr().err  # the rollback, said
 
     clean_chain, clean_store, clean_states = _chain(clean_cfg)
     killed_chain, killed_store, killed_states = _chain(killed_cfg)
+    # step 0 stored no checkpoint (every 2nd step and the last do): it names step -1's to roll back to
+    assert [s.rollback_step for s in killed_chain] == [-1, None, None]
+    assert not chain_problems(killed_cfg, STEPS), chain_problems(killed_cfg, STEPS)  # exactly once
     for step, (a, b) in enumerate(zip(clean_chain, killed_chain, strict=True)):
         assert a.policy_version == b.policy_version == step + 1  # one update per committed step
         # the same prompts and responses trained (the engine sampled with the same synced weights)
@@ -115,6 +123,15 @@ def test_megatron_tp2_experiment_syncs_every_step_and_resumes_exactly_after_a_ki
     assert wa.keys() == wb.keys()
     differ = [n for n in wa if not torch.equal(wa[n], wb[n])]  # type: ignore[arg-type]
     assert not differ, f"the resumed run's weights differ from the clean run's: {differ[:5]}"
+    # step 2's Hugging Face export (export_every: 3), outside the collected checkpoints, holds them too
+    (export,) = {
+        k.split("/export/")[1].split("/")[0] for k in killed_store.list("mg-killed/tail_batching/export/")
+    }  # type: ignore[attr-defined]
+    assert export.startswith("step-000002-")
+    we = _weights(
+        killed_store, killed_store.uri(f"mg-killed/tail_batching/export/{export}/"), tmp_path / "ex"
+    )  # type: ignore[attr-defined]
+    assert all(torch.equal(we[n], wb[n]) for n in wb)  # type: ignore[arg-type]
     tracker_clean = ExperimentTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "mg-clean")
     tracker = ExperimentTracker(f"sqlite:///{tmp_path / 'mlflow.db'}", "mg-killed")
     run_id = killed_chain[-1].mlflow_run_id
@@ -123,6 +140,8 @@ def test_megatron_tp2_experiment_syncs_every_step_and_resumes_exactly_after_a_ki
         lb = tracker.metric_history(run_id, key)
         assert len(lb) == STEPS and la == lb, (key, la, lb)
 
+    stored = tracker.metric_history(run_id, "train/checkpoint_stored")
+    assert stored == [(1, 0.0), (2, 1.0), (3, 1.0)], stored
     # the weights reached the engine after every update, and the engine sampled with them
     synced = tracker.metric_history(run_id, "sync/weights_s")
     assert [s for s, _ in synced] == list(range(1, STEPS + 1))

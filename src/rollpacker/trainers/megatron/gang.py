@@ -45,10 +45,11 @@ from typing import Any
 import torch
 
 from rollpacker.core.advantages import TrainSample, get_advantage_estimator
-from rollpacker.core.config import MegatronConfig, TrainerConfig
+from rollpacker.core.config import MegatronConfig, StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
+from rollpacker.store.base import ObjectStore
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
 from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
@@ -359,14 +360,7 @@ class MegatronTrainer:
             for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
                 if (self.model_dir / f).is_file():
                     shutil.copy2(self.model_dir / f, tmp / "model" / f)
-            meta = {
-                "version": CHECKPOINT_VERSION,
-                "backend": "megatron",
-                "policy_version": self.policy_version,
-                "optimizer_steps": self.optimizer_steps,
-                "layout": {"tp": self.mcfg.tp, "pp": self.mcfg.pp, "dp": self.dp},
-            }
-            (tmp / "trainer.json").write_text(json.dumps(meta, indent=2))
+            (tmp / "trainer.json").write_text(json.dumps(self._meta(), indent=2))
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
             if path.exists():
                 shutil.rmtree(path)
@@ -376,6 +370,61 @@ class MegatronTrainer:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
+
+    def store_checkpoint(self, store: ObjectStore, store_cfg: StoreConfig, key: str) -> str:
+        """The checkpoint ``save_checkpoint`` writes, streamed to ``key`` in the store instead of
+        staged on a local disk: every rank uploads its own ``dist/`` shard files from a scratch
+        directory of its own (``RankWorker.store_checkpoint``), and this driver writes ``model/``
+        one safetensors file per weight bucket (``bucket_mb``), each deleted once uploaded;
+        ``trainer.json`` goes last. Returns the checkpoint's URI."""
+        from safetensors.torch import save_file
+
+        if self.pending_samples:
+            raise TrainerError("checkpoint with streamed gradients pending: finish_step first")
+        key = key.strip("/")
+        self._all("store_checkpoint", store_cfg, f"{key}/dist")
+        gathered: dict[str, Any] = {}
+        index: dict[str, str] = {}
+        with tempfile.TemporaryDirectory(prefix="rollpacker-hf-") as tmp:
+            for i, bucket in enumerate(self.weight_buckets()):
+                gathered.update(bucket)
+                part = {
+                    n: t.contiguous()
+                    for n, t in bucket.items()
+                    if n != "lm_head.weight" or not self.layout.tied
+                }
+                if not part:
+                    continue
+                d = Path(tmp) / f"bucket-{i}"
+                d.mkdir()
+                name = f"model-{i:05d}.safetensors"
+                save_file(part, str(d / name), metadata={"format": "pt"})
+                store.upload_dir(d, f"{key}/model")
+                shutil.rmtree(d)
+                index.update(dict.fromkeys(part, name))
+            meta_dir = Path(tmp) / "meta"
+            (meta_dir / "model").mkdir(parents=True)
+            index_doc = {"metadata": {}, "weight_map": dict(sorted(index.items()))}
+            (meta_dir / "model" / "model.safetensors.index.json").write_text(json.dumps(index_doc, indent=1))
+            for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
+                if (self.model_dir / f).is_file():
+                    shutil.copy2(self.model_dir / f, meta_dir / "model" / f)
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, meta_dir / "rng.pt")
+            store.upload_dir(meta_dir, key)
+            store.put_bytes(
+                f"{key}/trainer.json", json.dumps(self._meta(), indent=2).encode(), "application/json"
+            )
+        self._saved = (self.policy_version, gathered)
+        return store.uri(f"{key}/")
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "version": CHECKPOINT_VERSION,
+            "backend": "megatron",
+            "policy_version": self.policy_version,
+            "optimizer_steps": self.optimizer_steps,
+            "layout": {"tp": self.mcfg.tp, "pp": self.mcfg.pp, "dp": self.dp},
+        }
 
     def load_checkpoint(self, path: Path) -> None:
         """Weights and optimizer state from ``dist/`` (resharded to this gang's layout)."""

@@ -22,6 +22,8 @@ Invariants:
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 
 from rollpacker.core.advantages import TrainSample
-from rollpacker.core.config import TrainerConfig
+from rollpacker.core.config import StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.stream_math import LossNorm
 from rollpacker.trainers.megatron.convert import Qwen2Layout, gather_tp, to_hf, to_mcore
@@ -427,6 +429,28 @@ class RankWorker:
         torch.distributed.barrier()
         dist_checkpointing.save(self._sharded(is_loading=False), path)
         torch.distributed.barrier()
+
+    def store_checkpoint(self, store: StoreConfig, prefix: str) -> int:
+        """Collective over the gang, streamed: this rank's part of the dist_checkpointing save
+        (its shard files; rank 0 also the metadata) into a scratch directory of its own, uploaded
+        to ``prefix`` in the store and deleted. No disk ever holds more than one rank's shard, and
+        ranks on other nodes need no shared volume. Returns the bytes this rank uploaded."""
+        from megatron.core import dist_checkpointing
+
+        from rollpacker.store import open_store
+
+        tmp = Path(tempfile.mkdtemp(prefix=f"rollpacker-dist-r{self.rank}-"))
+        try:
+            torch.distributed.barrier()
+            dist_checkpointing.save(self._sharded(is_loading=False), str(tmp))
+            torch.distributed.barrier()
+            size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            if size:
+                open_store(store).upload_dir(tmp, prefix)
+            torch.distributed.barrier()  # every rank's files are in the store before any returns
+            return size
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def load_checkpoint(self, path: str, policy_version: int, optimizer_steps: int) -> None:
         """Collective over the gang: load (and reshard) model and optimizer state."""
