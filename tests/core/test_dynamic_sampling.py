@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from rollpacker.bench.replay import replay_sampling
@@ -164,15 +164,23 @@ def test_invariant_dropped_groups_are_replaced_and_counted(cfg, lens, kinds) -> 
 
 @settings(max_examples=25, deadline=None)
 @given(cfg=configs, kinds=kinds_strategy.filter(lambda k: MIXED in k), seed=st.integers(0, 5))
+# one mixed prompt in seven: the set cannot fill the first update (found by a gate run)
+@example(
+    cfg=RolloutConfig(prompts_per_step=6, responses_per_prompt=2, eta_p=1.5, eta_r=1.0),
+    kinds=[0, 0, 0, 0, 0, 0, 2],
+    seed=0,
+)
 def test_invariant_a_queued_prompt_is_not_drawn_twice_across_epochs(cfg, kinds, seed) -> None:
     """A small prompt set the cursor cycles through: a prompt waiting in the queue comes round
-    again in the next epoch; neither the round nor its replacements may launch it."""
+    again in the next epoch; neither the round nor its replacements may launch it. A set with too
+    few prompts that carry signal to fill even the first update stops at once, by name (``_run``):
+    there is nothing to check then."""
     lens = [[(7 * i + 3 * j) % 50 + 1 for j in range(12)] for i in range(4 * 2 * 6)]
     prompts = make_prompts(lens)
     window = cfg.launched_prompts
     cursor = PromptCursor(prompts, seed=seed, shuffle=True, window=window)
     _, runs, _ = _run(_cfg(cfg), lens, kinds, steps=30, cursor=cursor)
-    assert runs
+    assume(runs)
     for res, queued_at_plan in runs:
         fresh = res.plan.prompts if res.plan.round_kind is RoundKind.SHORT else ()
         assert not {p.prompt_id for p in (*fresh, *res.extra_prompts)} & queued_at_plan
