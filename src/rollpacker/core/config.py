@@ -254,6 +254,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
     """The megatron-core backend's parallel layout (``train.backend: megatron``; docs/megatron.md):
@@ -275,6 +278,10 @@ class MegatronConfig:
     # a custom Ray resource every bundle also asks 1 of (the training worker group's, e.g.
     # rollpacker_training), so the ranks land on that group; "" = any node
     resource: str = ""
+    # activation recompute (docs/megatron.md): none (keep every activation) | selective (recompute
+    # the core attention in backward: no per-layer [heads, seq, seq] probabilities kept) | full
+    # (keep each layer's input only, recompute the layer in backward)
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         _positive_int("train.megatron.tp", self.tp)
@@ -297,6 +304,10 @@ class MegatronConfig:
             raise ConfigError(f"train.megatron.optimizer = {self.optimizer!r}: use 'adam' or 'sgd'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.megatron.dtype = {self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(
+                f"train.megatron.recompute = {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}"
+            )
         if self.optimizer == "sgd" and self.distributed_optimizer:
             raise ConfigError(
                 "train.megatron.optimizer = 'sgd' with distributed_optimizer: true: megatron's distributed "

@@ -17,6 +17,8 @@ def test_backend_and_layout_parse() -> None:
     assert (cfg.megatron.tp, cfg.megatron.pp, cfg.megatron.data_parallel, cfg.megatron.ranks) == (2, 2, 2, 8)
     assert TrainerConfig().backend == "torch"
     assert MegatronConfig(tp=2).ranks == 2
+    m = from_mapping(MegatronConfig, {"recompute": "full"}, "train.megatron.")
+    assert (m.recompute, MegatronConfig().recompute) == ("full", "none")
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,7 @@ def test_backend_and_layout_parse() -> None:
         ({"megatron": {"tp": 0}}, r"train.megatron.tp"),
         ({"megatron": {"tpp": 2}}, r"'train.megatron.tpp'"),
         ({"backend": "megatron", "kl_coef": 0.1}, r"kl_coef = 0.1 with train.backend: megatron"),
+        ({"megatron": {"recompute": "partial"}}, r"recompute = 'partial': use one of none, selective, full"),
     ],
 )
 def test_bad_config_refused_by_name(data: dict[str, object], message: str) -> None:

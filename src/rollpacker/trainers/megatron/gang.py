@@ -143,6 +143,7 @@ class MegatronTrainer:
             use_cuda=m.gpus_per_rank > 0,
             threads=max(1, int(m.cpus_per_rank)),
             dtype=m.dtype,
+            recompute=m.recompute,
         )
         actor = ray.remote(RankWorker)
         self.actors = [

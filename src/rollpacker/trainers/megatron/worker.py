@@ -56,6 +56,7 @@ class RankSpec:
     use_cuda: bool = False
     threads: int = 1  # torch intra-op threads of the rank (CPU)
     dtype: str = "float32"  # float32 | bfloat16 (fp32 master weights in the optimizer)
+    recompute: str = "none"  # none | selective | full (train.megatron.recompute)
 
     @property
     def bf16(self) -> bool:
@@ -160,6 +161,7 @@ class RankWorker:
             variable_seq_lengths=True,
             moe_token_dispatcher_type="alltoall",  # dense model; allgather refuses variable lengths
             deallocate_pipeline_outputs=False,
+            **recompute_settings(s.recompute),
         )
 
     def _build(self) -> tuple[Any, Any]:
@@ -453,6 +455,20 @@ class RankWorker:
     def close(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def recompute_settings(mode: str) -> dict[str, Any]:
+    """megatron-core's TransformerConfig fields for ``train.megatron.recompute``: ``selective``
+    recomputes the core attention (scores, softmax, probabilities x values) in backward, so no
+    layer keeps its ``[heads, seq, seq]`` probabilities; ``full`` checkpoints every layer (uniform,
+    one layer per unit): a layer keeps only its input and is recomputed in backward."""
+    if mode == "none":
+        return {}
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise TrainerError(f"train.megatron.recompute = {mode!r}: use none, selective or full")
 
 
 _OPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}

@@ -1,0 +1,77 @@
+"""``train.megatron.recompute``: the activation bytes a megatron rank keeps for backward grow
+linearly in the sequence length with recompute, quadratically without it; recompute leaves the
+update unchanged.
+
+One subprocess (the CPU shim patches its process) builds the tiny GQA model's rank at TP=1 for each
+recompute mode in fp32 and bf16 and measures the tensors autograd saves over one sequence of 64,
+128 and 256 tokens (``tests/trainers/megatron/activations.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import build_gqa_model
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict[int, int]]]:
+    model = build_gqa_model(tmp_path_factory.mktemp("gqa-long"), tied=True, max_positions=512)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.trainers.megatron.activations", str(model)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = json.loads(proc.stdout.strip().splitlines()[-1])["saved_bytes"]
+    return model, {mode: {int(n): b for n, b in by.items()} for mode, by in saved.items()}
+
+
+def _growth(b: dict[int, int]) -> float:
+    """(B(256) - B(128)) / (B(128) - B(64)): 2 when linear in the length, 4 when quadratic."""
+    return (b[256] - b[128]) / (b[128] - b[64])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_saved_activations_grow_linearly_with_recompute(
+    measured: tuple[Path, dict[str, dict[int, int]]], recompute: str, dtype: str
+) -> None:
+    saved = measured[1]
+    assert _growth(saved[f"none/{dtype}"]) > 2.8, saved  # without recompute: the [s, s] probabilities
+    assert _growth(saved[f"{recompute}/{dtype}"]) < 2.1, saved
+    assert saved[f"{recompute}/{dtype}"][256] < 0.5 * saved[f"none/{dtype}"][256]
+
+
+@pytest.mark.slow  # a gang of 1-2 processes per mode (~20-70 s each here)
+@pytest.mark.parametrize(("recompute", "tp"), [("selective", 1), ("full", 2)])
+def test_recompute_leaves_the_update_unchanged(gqa_tied: Path, recompute: str, tp: int) -> None:
+    """Recompute trades compute for memory only: the gradient and the SGD update of the gang
+    equal the torch backend's within the bounds of tests/trainers/megatron/test_gang.py."""
+    import ray
+
+    from .exactness import logprob_err, megatron_run, rel, torch_run
+
+    ref = torch_run(gqa_tied)
+    started = not ray.is_initialized()
+    try:
+        run, mt = megatron_run(gqa_tied, tp=tp, recompute=recompute)
+        mt.close()
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    assert rel(run.grads, ref.grads) <= 1e-5
+    assert rel(run.weights, ref.weights) <= 1e-5
+    assert logprob_err(run.logprobs, ref.logprobs) <= 1e-5
