@@ -282,6 +282,8 @@ class MegatronConfig:
     # the core attention in backward: no per-layer [heads, seq, seq] probabilities kept) | full
     # (keep each layer's input only, recompute the layer in backward)
     recompute: str = "none"
+    # each rank's device memory; the gang refuses a plan whose estimate (core/memory.py) exceeds it
+    gpu_memory_gib: float = 80.0
 
     def __post_init__(self) -> None:
         _positive_int("train.megatron.tp", self.tp)
@@ -313,7 +315,7 @@ class MegatronConfig:
                 "train.megatron.optimizer = 'sgd' with distributed_optimizer: true: megatron's distributed "
                 "optimizer is Adam-only; set distributed_optimizer: false"
             )
-        for name in ("bucket_mb", "cpus_per_rank"):
+        for name in ("bucket_mb", "cpus_per_rank", "gpu_memory_gib"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"train.megatron.{name} = {v!r}: must be a positive number")

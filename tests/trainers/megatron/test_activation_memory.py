@@ -1,6 +1,6 @@
 """``train.megatron.recompute``: the activation bytes a megatron rank keeps for backward grow
-linearly in the sequence length with recompute, quadratically without it; recompute leaves the
-update unchanged.
+linearly in the sequence length with recompute, quadratically without it, and match the memory
+preflight's formula (``core/memory.py``).
 
 One subprocess (the CPU shim patches its process) builds the tiny GQA model's rank at TP=1 for each
 recompute mode in fp32 and bf16 and measures the tensors autograd saves over one sequence of 64,
@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from rollpacker.core.memory import MemoryPlan, ModelShape, activation_bytes
 
 from .conftest import build_gqa_model
 
@@ -53,6 +55,21 @@ def test_saved_activations_grow_linearly_with_recompute(
     assert _growth(saved[f"none/{dtype}"]) > 2.8, saved  # without recompute: the [s, s] probabilities
     assert _growth(saved[f"{recompute}/{dtype}"]) < 2.1, saved
     assert saved[f"{recompute}/{dtype}"][256] < 0.5 * saved[f"none/{dtype}"][256]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_the_preflight_formula_bounds_the_measured_bytes(
+    measured: tuple[Path, dict[str, dict[int, int]]], recompute: str, dtype: str
+) -> None:
+    model, saved = measured
+    shape = ModelShape.from_hf_config(json.loads((model / "config.json").read_text()))
+    for n, got in saved[f"{recompute}/{dtype}"].items():
+        plan = MemoryPlan(
+            tp=1, pp=1, dp=1, dtype=dtype, recompute=recompute, longest_tokens=n, tokens_per_micro_batch=n
+        )
+        predicted = activation_bytes(shape, plan, n, n)
+        assert got <= predicted <= 1.05 * got, (recompute, dtype, n, got, predicted)
 
 
 @pytest.mark.slow  # a gang of 1-2 processes per mode (~20-70 s each here)

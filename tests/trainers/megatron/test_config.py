@@ -17,8 +17,8 @@ def test_backend_and_layout_parse() -> None:
     assert (cfg.megatron.tp, cfg.megatron.pp, cfg.megatron.data_parallel, cfg.megatron.ranks) == (2, 2, 2, 8)
     assert TrainerConfig().backend == "torch"
     assert MegatronConfig(tp=2).ranks == 2
-    m = from_mapping(MegatronConfig, {"recompute": "full"}, "train.megatron.")
-    assert (m.recompute, MegatronConfig().recompute) == ("full", "none")
+    m = from_mapping(MegatronConfig, {"recompute": "full", "gpu_memory_gib": 141}, "train.megatron.")
+    assert (m.recompute, m.gpu_memory_gib, MegatronConfig().recompute) == ("full", 141.0, "none")
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,10 @@ def test_backend_and_layout_parse() -> None:
         ({"megatron": {"tpp": 2}}, r"'train.megatron.tpp'"),
         ({"backend": "megatron", "kl_coef": 0.1}, r"kl_coef = 0.1 with train.backend: megatron"),
         ({"megatron": {"recompute": "partial"}}, r"recompute = 'partial': use one of none, selective, full"),
+        (
+            {"megatron": {"gpu_memory_gib": 0}},
+            r"train.megatron.gpu_memory_gib = 0.0: must be a positive number",
+        ),
     ],
 )
 def test_bad_config_refused_by_name(data: dict[str, object], message: str) -> None:
@@ -72,3 +76,22 @@ def test_unsupported_architecture_refused_before_any_process_starts(
     monkeypatch.setattr(gang.MegatronTrainer, "_start", lambda self: pytest.fail("started"))
     with pytest.raises(ConfigError, match=r"architecture 'MistralForCausalLM' is not supported"):
         gang.MegatronTrainer(bad, TrainerConfig(backend="megatron"))
+
+
+def test_a_plan_that_cannot_fit_the_gpus_is_refused_before_any_process_starts(
+    gqa_tied: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs the gang runs the memory preflight (core/memory.py) on the model's config.json;
+    CPU ranks (gpus_per_rank: 0) share the host's memory and are not sized per device."""
+    started: list[bool] = []
+    monkeypatch.setattr(gang.MegatronTrainer, "_start", lambda self: started.append(True))
+    monkeypatch.setattr(gang.MegatronTrainer, "_reset_accum", lambda self: None)
+    small = MegatronConfig(gpus_per_rank=1, gpu_memory_gib=2.0)
+    with pytest.raises(
+        ConfigError, match=r"needs 4\.\d GiB .*more than gpu_memory_gib = 2 .*longest sequence 200"
+    ):
+        gang.MegatronTrainer(gqa_tied, TrainerConfig(backend="megatron", megatron=small), longest_tokens=200)
+    assert not started
+    cpu = MegatronConfig(gpus_per_rank=0, gpu_memory_gib=2.0)
+    gang.MegatronTrainer(gqa_tied, TrainerConfig(backend="megatron", megatron=cpu), longest_tokens=200)
+    assert started == [True]

@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from rollpacker.core.advantages import TrainSample, get_advantage_estimator
-from rollpacker.core.config import MegatronConfig, TrainerConfig
+from rollpacker.core.config import TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.memory import MemoryPlan, check_fits
 from rollpacker.core.stream_math import LossNorm, denominator
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
@@ -55,10 +56,17 @@ from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
 CHECKPOINT_VERSION = 1
 
 
-def check_layout(model_dir: str | Path, mcfg: MegatronConfig) -> Qwen2Layout:
-    """The model's layout, after refusing (by name) what the gang could not run."""
+def check_layout(model_dir: str | Path, cfg: TrainerConfig, longest_tokens: int | None = None) -> Qwen2Layout:
+    """The model's layout, after refusing (by name) what the gang could not run: a split the model
+    does not allow, or, on GPUs, a plan whose ranks would not fit ``train.megatron.gpu_memory_gib``
+    (``core/memory.py``) with sequences of ``longest_tokens`` (prompt + response; default: one
+    micro-batch, ``train.tokens_per_micro_batch``)."""
+    mcfg = cfg.megatron
     lay = Qwen2Layout.from_dir(model_dir)
     lay.check_parallel(mcfg.tp, mcfg.pp)
+    if mcfg.gpus_per_rank > 0:  # CPU ranks share the host's memory: nothing to size per device
+        plan = MemoryPlan.of(mcfg, longest_tokens or cfg.tokens_per_micro_batch, cfg.tokens_per_micro_batch)
+        check_fits(lay.shape, plan)
     return lay
 
 
@@ -71,6 +79,7 @@ class MegatronTrainer:
         cfg: TrainerConfig,
         temperature: float = 1.0,
         ref_model_dir: str | Path | None = None,
+        longest_tokens: int | None = None,
     ) -> None:
         if temperature <= 0:
             raise TrainerError(
@@ -78,7 +87,7 @@ class MegatronTrainer:
             )
         self.cfg, self.mcfg = cfg, cfg.megatron
         self.model_dir = Path(model_dir)
-        self.layout = check_layout(self.model_dir, self.mcfg)  # before any process starts
+        self.layout = check_layout(self.model_dir, cfg, longest_tokens)  # before any process starts
         self.estimator = get_advantage_estimator(cfg.advantage_estimator)
         if self.estimator.scope.name == "BATCH":
             raise TrainerError(
