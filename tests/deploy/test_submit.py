@@ -215,7 +215,11 @@ def test_a_training_plan_that_cannot_fit_is_refused_before_anything_is_sent(
         submit(url, cfg, out_dir=tmp_path, log=lambda s: None)
     assert fake.requests == []
     lines: list[str] = []
-    fits = {"train.megatron.recompute": "full", "train.megatron.dtype": "bfloat16"}
+    fits = {
+        "train.megatron.recompute": "full",
+        "train.megatron.dtype": "bfloat16",
+        "engine.dtype": "bfloat16",
+    }
     memory_preflight(load_config(cfg, fits), lines.append)
     assert lines == [
         "memory preflight: 64.7 GiB on pipeline stage 0 (weights 7.1, grads 14.2, optimizer 10.6, "

@@ -816,12 +816,30 @@ class ExperimentConfig:
             )
         for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
             a.apply(self.rollout)
+        self._check_trainer_dtype()
         if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
             raise ConfigError(
                 "rollout.scale_down.enabled needs engine replicas to free and a stream trainer to give "
                 f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
                 f"train.stream: true (it is {str(self.train.stream).lower()})"
             )
+
+    def _check_trainer_dtype(self) -> None:
+        """On GPUs the megatron trainer must train in the engine's dtype. A float32 trainer
+        against a bf16 engine (or the reverse) disagrees with the engine's logprobs by rounding
+        before any update: the PPO ratio is not 1 at step 0 and clipping acts on that noise in
+        every step. Refused rather than warned about: a warning in a pod's log is read after the
+        GPU hours are spent, and the fix is one line."""
+        t, e = self.train, self.engine
+        if t.backend != "megatron" or t.megatron.gpus_per_rank <= 0 or t.megatron.dtype == e.dtype:
+            return
+        fix = "bfloat16" if e.dtype != "float32" else "float32"
+        raise ConfigError(
+            f"train.megatron.dtype = {t.megatron.dtype!r} with engine.dtype = {e.dtype!r} on GPUs "
+            "(train.megatron.gpus_per_rank: 1): the trainer's logprobs differ from the engine's before any "
+            "update, so the PPO ratio is not 1 from step 0; train in the engine's dtype "
+            f"(train.megatron.dtype: {fix}, and engine.dtype: {fix})"
+        )
 
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
