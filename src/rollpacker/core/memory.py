@@ -25,7 +25,8 @@ the last the output layer and the loss):
   ``(a / t) N S (p + 12)`` bytes (probabilities, their gradient and the softmax backward's two
   temporaries; with ``none`` the probabilities are already counted), one layer's recomputed
   activations with ``full``, or the logits' gradient ``(4 + e) V / t`` per token, whichever is
-  larger; plus ``RESERVE_GIB`` for the CUDA context, NCCL buffers and allocator fragmentation.
+  larger, plus the unfused attention's persistent scores buffer ``(a / t) N S e``; plus
+  ``RESERVE_GIB`` for the CUDA context, NCCL buffers and allocator fragmentation.
 
 Invariants:
 - pure arithmetic on integers and floats (no torch): the same numbers on any machine;
@@ -216,15 +217,18 @@ def activation_bytes(shape: ModelShape, plan: MemoryPlan, tokens: int, longest: 
 def _transient_bytes(shape: ModelShape, plan: MemoryPlan, stage: int) -> int:
     """The largest short-lived allocation of a backward pass: one layer's attention backward (the
     probabilities' gradient and the softmax backward's two temporaries, fp32; the probabilities
-    themselves when recomputed, the whole layer with ``full``), or the logits' gradient."""
+    themselves when recomputed, the whole layer with ``full``), or the logits' gradient; plus the
+    ``[heads / tp, N, S]`` scores buffer megatron's unfused attention keeps for the whole run
+    (``get_global_memory_buffer``, the dtype's bytes)."""
     n, s = plan.micro_batch_tokens, plan.longest_tokens
+    scores_buffer = shape.heads // plan.tp * n * s * plan.elem
     attn = shape.heads // plan.tp * n * s * 12
     if plan.recompute == "selective":
         attn += _probs_bytes(shape, plan, n, s)
     elif plan.recompute == "full":
         attn += layer_activation_bytes(shape, replace(plan, recompute="none"), n, s)
     logits = n * (4 + plan.elem) * -(-shape.vocab // plan.tp) if stage == plan.pp - 1 else 0
-    return max(attn, logits)
+    return max(attn, logits) + scores_buffer
 
 
 def stage_params(shape: ModelShape, plan: MemoryPlan, stage: int) -> int:
