@@ -101,3 +101,14 @@ def test_bad_plans_and_shapes_are_refused_by_name() -> None:
         plan("7B", dtype="float16")
     with pytest.raises(ConfigError, match=r"no 'intermediate_size'"):
         ModelShape.from_hf_config({k: v for k, v in QWEN25["7B"].items() if k != "intermediate_size"})
+
+
+@pytest.mark.parametrize(("name", "longest", "tp"), [("14B", 16384 + 1024, 2), ("32B", 32768 + 1024, 8)])
+def test_the_papers_long_contexts_fit_with_the_fused_attention(name: str, longest: int, tp: int) -> None:
+    """With ``attention: sdpa`` nothing is quadratic in the sequence: 14B TP=2 x PP=2 x DP=4 at 16k
+    (16 GPUs) and 32B at 32k with TP=8 x DP=4 (32 GPUs) fit 80 GB with full recompute and bf16."""
+    p = dataclasses.replace(plan(name, longest, attention="sdpa"), tp=tp, dp=4)
+    assert check_fits(shape(name), p).total <= 80 * GIB
+    twice = dataclasses.replace(p, longest_tokens=2 * longest, tokens_per_micro_batch=2 * longest)
+    growth = estimate(shape(name), twice).activations / estimate(shape(name), p).activations
+    assert growth == pytest.approx(2.0, rel=0.01)  # linear, not 4x

@@ -255,6 +255,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KINDS = ("unfused", "sdpa")
 
 
 @dataclass(frozen=True)
@@ -282,6 +283,9 @@ class MegatronConfig:
     # the core attention in backward: no per-layer [heads, seq, seq] probabilities kept) | full
     # (keep each layer's input only, recompute the layer in backward)
     recompute: str = "none"
+    # core attention: unfused (megatron's local DotProductAttention: [heads, seq, seq] scores kept)
+    # | sdpa (torch's fused scaled_dot_product_attention: linear in the sequence length)
+    attention: str = "unfused"
     # each rank's device memory; the gang refuses a plan whose estimate (core/memory.py) exceeds it
     gpu_memory_gib: float = 80.0
 
@@ -306,6 +310,10 @@ class MegatronConfig:
             raise ConfigError(f"train.megatron.optimizer = {self.optimizer!r}: use 'adam' or 'sgd'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.megatron.dtype = {self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(
+                f"train.megatron.attention = {self.attention!r}: use one of {', '.join(ATTENTION_KINDS)}"
+            )
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(
                 f"train.megatron.recompute = {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}"

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from rollpacker.core.config import RECOMPUTE_MODES, ExperimentConfig, MegatronConfig
+from rollpacker.core.config import ATTENTION_KINDS, RECOMPUTE_MODES, ExperimentConfig, MegatronConfig
 from rollpacker.core.errors import ConfigError
 
 GIB = 2**30
@@ -112,6 +112,7 @@ class MemoryPlan:
     distributed_optimizer: bool = True
     optimizer: str = "adam"
     gpu_memory_gib: float = 80.0
+    attention: str = "unfused"  # unfused (megatron's DotProductAttention) | sdpa (torch's fused kernel)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "longest_tokens", "tokens_per_micro_batch"):
@@ -122,6 +123,8 @@ class MemoryPlan:
             raise ConfigError(f"memory plan: dtype = {self.dtype!r}: use one of {', '.join(_DTYPE_BYTES)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ConfigError(f"memory plan: recompute = {self.recompute!r}: use one of {RECOMPUTE_MODES}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(f"memory plan: attention = {self.attention!r}: use one of {ATTENTION_KINDS}")
 
     @classmethod
     def of(cls, m: MegatronConfig, longest_tokens: int, tokens_per_micro_batch: int) -> MemoryPlan:
@@ -136,6 +139,7 @@ class MemoryPlan:
             distributed_optimizer=m.distributed_optimizer,
             optimizer=m.optimizer,
             gpu_memory_gib=m.gpu_memory_gib,
+            attention=m.attention,
         )
 
     @property
@@ -185,9 +189,15 @@ def layer_activation_bytes(shape: ModelShape, plan: MemoryPlan, tokens: int, lon
     e, t, s = plan.elem, plan.tp, shape
     if plan.recompute == "full":
         return tokens * s.hidden * e
-    attn = 4 * s.heads * s.head_dim if plan.recompute == "none" else 3 * (s.heads + s.kv_heads) * s.head_dim
-    per_token = 2 * (s.hidden * (8 + e) + 4) + 4 * s.head_dim * e + (attn + 5 * s.ffn) * e // t
-    quadratic = _probs_bytes(shape, plan, tokens, longest) if plan.recompute == "none" else 0
+    if plan.recompute == "selective":  # the checkpoint's q, k, the packed qkv output, the context
+        attn = 3 * (s.heads + s.kv_heads) * s.head_dim * e
+    elif plan.attention == "sdpa":  # q, k and v repeated over the heads, output, its copy, log-sum-exp
+        attn = 5 * s.heads * s.head_dim * e + 4 * s.heads
+    else:  # q, k and v repeated over the heads, the context
+        attn = 4 * s.heads * s.head_dim * e
+    per_token = 2 * (s.hidden * (8 + e) + 4) + 4 * s.head_dim * e + (attn + 5 * s.ffn * e) // t
+    unfused = plan.recompute == "none" and plan.attention == "unfused"
+    quadratic = _probs_bytes(shape, plan, tokens, longest) if unfused else 0
     return tokens * per_token + quadratic
 
 
@@ -221,11 +231,14 @@ def _transient_bytes(shape: ModelShape, plan: MemoryPlan, stage: int) -> int:
     ``[heads / tp, N, S]`` scores buffer megatron's unfused attention keeps for the whole run
     (``get_global_memory_buffer``, the dtype's bytes)."""
     n, s = plan.micro_batch_tokens, plan.longest_tokens
-    scores_buffer = shape.heads // plan.tp * n * s * plan.elem
-    attn = shape.heads // plan.tp * n * s * 12
-    if plan.recompute == "selective":
-        attn += _probs_bytes(shape, plan, n, s)
-    elif plan.recompute == "full":
+    heads = shape.heads // plan.tp
+    if plan.attention == "sdpa":  # the fused backward's q, k, v and output gradients
+        scores_buffer, attn = 0, n * 4 * heads * shape.head_dim * plan.elem
+    else:
+        scores_buffer, attn = heads * n * s * plan.elem, heads * n * s * 12
+        if plan.recompute == "selective":
+            attn += _probs_bytes(shape, plan, n, s)
+    if plan.recompute == "full":
         attn += layer_activation_bytes(shape, replace(plan, recompute="none"), n, s)
     logits = n * (4 + plan.elem) * -(-shape.vocab // plan.tp) if stage == plan.pp - 1 else 0
     return max(attn, logits) + scores_buffer

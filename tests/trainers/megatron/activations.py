@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 LENGTHS = (64, 128, 256)
-MODES = tuple((r, d) for d in ("float32", "bfloat16") for r in ("none", "selective", "full"))
+MODES = tuple((r, d) for d in ("float32", "bfloat16") for r in ("none", "selective", "full", "sdpa"))
 
 
 def _free_port() -> int:
@@ -98,7 +98,8 @@ def measure(model_dir: str, lengths: tuple[int, ...] = LENGTHS) -> dict[str, dic
             optimizer="sgd",
             distributed_optimizer=False,
             dtype=dtype,
-            recompute=recompute,
+            recompute="none" if recompute == "sdpa" else recompute,
+            attention="sdpa" if recompute == "sdpa" else "unfused",
         )
         worker = RankWorker(spec, 0)
         worker.model.train()

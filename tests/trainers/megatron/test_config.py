@@ -31,6 +31,7 @@ def test_backend_and_layout_parse() -> None:
         ({"megatron": {"tpp": 2}}, r"'train.megatron.tpp'"),
         ({"backend": "megatron", "kl_coef": 0.1}, r"kl_coef = 0.1 with train.backend: megatron"),
         ({"megatron": {"recompute": "partial"}}, r"recompute = 'partial': use one of none, selective, full"),
+        ({"megatron": {"attention": "flash"}}, r"attention = 'flash': use one of unfused, sdpa"),
         (
             {"megatron": {"gpu_memory_gib": 0}},
             r"train.megatron.gpu_memory_gib = 0.0: must be a positive number",
@@ -98,9 +99,10 @@ def test_a_plan_that_cannot_fit_the_gpus_is_refused_before_any_process_starts(
 
 
 def test_the_cluster_config_trains_in_the_engines_dtype_and_fits_its_gpus() -> None:
-    """configs/cluster.yaml (= manifests/experiment.yaml): bf16 like its engine, recompute on, and
-    the Qwen2.5-7B plan passes the memory preflight on 80 GB; in fp32 against the bf16 engine it
-    is refused by name, and without recompute the preflight refuses it."""
+    """configs/cluster.yaml (= manifests/experiment.yaml): bf16 like its engine, recompute and the
+    fused attention on, and the Qwen2.5-7B plan passes the memory preflight on 80 GB; in fp32
+    against the bf16 engine it is refused by name, and without recompute or with the unfused
+    attention the preflight refuses it."""
     from rollpacker.core.config import load_config
     from rollpacker.core.memory import GIB, ModelShape, check_fits, training_plan
     from tests.core.test_memory import QWEN25
@@ -108,13 +110,19 @@ def test_the_cluster_config_trains_in_the_engines_dtype_and_fits_its_gpus() -> N
     cfg = load_config("cluster")
     assert (cfg.engine.dtype, cfg.train.megatron.dtype) == ("bfloat16", "bfloat16")
     plan = training_plan(cfg)
-    assert plan is not None and (plan.tp, plan.dp, plan.longest_tokens) == (2, 4, 9216)
+    assert plan is not None and (plan.tp, plan.dp, plan.longest_tokens, plan.attention) == (
+        2,
+        4,
+        9216,
+        "sdpa",
+    )
     assert check_fits(ModelShape.from_hf_config(QWEN25["7B"]), plan).total <= 80 * GIB
     with pytest.raises(ConfigError, match=r"train.megatron.dtype = 'float32' with engine.dtype = 'bfloat16'"):
         load_config("cluster", {"train.megatron.dtype": "float32"})
     load_config("cluster", {"train.megatron.dtype": "float32", "engine.dtype": "float32"})
     load_config("cluster", {"train.megatron.dtype": "float32", "train.megatron.gpus_per_rank": 0})  # CPU
-    none = training_plan(load_config("cluster", {"train.megatron.recompute": "none"}))
-    assert none is not None
-    with pytest.raises(ConfigError, match=r"more than gpu_memory_gib = 80"):
-        check_fits(ModelShape.from_hf_config(QWEN25["7B"]), none)
+    for change in ({"train.megatron.recompute": "none"}, {"train.megatron.attention": "unfused"}):
+        other = training_plan(load_config("cluster", change))
+        assert other is not None
+        with pytest.raises(ConfigError, match=r"more than gpu_memory_gib = 80"):
+            check_fits(ModelShape.from_hf_config(QWEN25["7B"]), other)

@@ -153,6 +153,7 @@ class MegatronTrainer:
             threads=max(1, int(m.cpus_per_rank)),
             dtype=m.dtype,
             recompute=m.recompute,
+            attention=m.attention,
         )
         actor = ray.remote(RankWorker)
         self.actors = [
