@@ -133,6 +133,25 @@ def config_text(path: Path, overrides: dict[str, Any] | None = None) -> tuple[st
     return text, cfg
 
 
+def memory_preflight(cfg: Any, log: Any = print) -> None:
+    """Refuse a megatron GPU plan whose ranks cannot fit ``train.megatron.gpu_memory_gib``
+    (``core/memory.py``) before anything is uploaded, when the model's ``config.json`` is readable
+    here; otherwise the training gang runs the same check before its ranks start."""
+    import json
+
+    from rollpacker.core.memory import ModelShape, check_fits, training_plan
+
+    plan = training_plan(cfg)
+    if plan is None:
+        return
+    f = Path(cfg.model.model_dir or ".") / "config.json"
+    if not cfg.model.model_dir or not f.is_file():
+        log(f"memory preflight: {f} is not readable here; the training gang checks it before its ranks start")
+        return
+    est = check_fits(ModelShape.from_hf_config(json.loads(f.read_text()), str(f)), plan)
+    log(f"memory preflight: {est.render()} per training GPU, within gpu_memory_gib = {plan.gpu_memory_gib:g}")
+
+
 def _kfp_error(action: str, host: str, e: Exception) -> SubmitError:
     status = getattr(e, "status", None) or getattr(e, "code", None)
     body = getattr(e, "body", None) or (e.read().decode(errors="replace") if hasattr(e, "read") else str(e))
@@ -165,6 +184,7 @@ def submit(
     """Compile, upload and run (see the module docstring); returns the ids and run URLs."""
     host = check_host(host)
     text, cfg = config_text(config, overrides)
+    memory_preflight(cfg, log)
     steps = cfg.steps if steps is None else steps
     arms = _check_arms(arms or cfg.arm_names, cfg.arm_names, config)
     check_placement(cfg, arms, log)

@@ -197,6 +197,41 @@ def test_bad_config_and_arms_are_refused(
     assert fake.requests == []
 
 
+def test_a_training_plan_that_cannot_fit_is_refused_before_anything_is_sent(
+    kfp_server: tuple[FakeKFP, str], tmp_path: Path
+) -> None:
+    import json
+
+    from rollpacker.core.config import load_config
+    from rollpacker.submit import memory_preflight
+
+    fake, url = kfp_server
+    model = tmp_path / "Qwen2.5-7B"
+    model.mkdir()
+    shape = dict(num_hidden_layers=28, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4)
+    shape.update(intermediate_size=18944, vocab_size=152064)
+    (model / "config.json").write_text(json.dumps(shape))
+    train = {"backend": "megatron", "tokens_per_micro_batch": 9216}
+    train["megatron"] = {"tp": 2, "world_size": 8, "gpus_per_rank": 1}
+    extra = {"model": {"model_dir": str(model)}, "engine": {"max_model_len": 9216}, "train": train}
+    cfg = tmp_path / "gpu.yaml"
+    cfg.write_text(CONFIG + yaml.safe_dump(extra))
+    with pytest.raises(ConfigError, match=r"needs 260\.4 GiB .*more than gpu_memory_gib = 80"):
+        submit(url, cfg, out_dir=tmp_path, log=lambda s: None)
+    assert fake.requests == []
+    lines: list[str] = []
+    fits = {
+        "train.megatron.recompute": "full",
+        "train.megatron.dtype": "bfloat16",
+        "engine.dtype": "bfloat16",
+    }
+    memory_preflight(load_config(cfg, fits), lines.append)
+    assert lines == [
+        "memory preflight: 66.9 GiB on pipeline stage 0 (weights 7.1, grads 14.2, optimizer 10.6, "
+        "activations 7.3, transient 23.7, reserve 4.0 GiB) per training GPU, within gpu_memory_gib = 80"
+    ]
+
+
 def test_cli_submit(kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path) -> None:
     fake, url = kfp_server
     runner = CliRunner()

@@ -278,6 +278,10 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     return value
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+ATTENTION_KINDS = ("unfused", "sdpa")
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
     """The megatron-core backend's parallel layout (``train.backend: megatron``; docs/megatron.md):
@@ -299,6 +303,15 @@ class MegatronConfig:
     # a custom Ray resource every bundle also asks 1 of (the training worker group's, e.g.
     # rollpacker_training), so the ranks land on that group; "" = any node
     resource: str = ""
+    # activation recompute (docs/megatron.md): none (keep every activation) | selective (recompute
+    # the core attention in backward: no per-layer [heads, seq, seq] probabilities kept) | full
+    # (keep each layer's input only, recompute the layer in backward)
+    recompute: str = "none"
+    # core attention: unfused (megatron's local DotProductAttention: [heads, seq, seq] scores kept)
+    # | sdpa (torch's fused scaled_dot_product_attention: linear in the sequence length)
+    attention: str = "unfused"
+    # each rank's device memory; the gang refuses a plan whose estimate (core/memory.py) exceeds it
+    gpu_memory_gib: float = 80.0
 
     def __post_init__(self) -> None:
         _positive_int("train.megatron.tp", self.tp)
@@ -321,12 +334,20 @@ class MegatronConfig:
             raise ConfigError(f"train.megatron.optimizer = {self.optimizer!r}: use 'adam' or 'sgd'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"train.megatron.dtype = {self.dtype!r}: use 'float32' or 'bfloat16'")
+        if self.attention not in ATTENTION_KINDS:
+            raise ConfigError(
+                f"train.megatron.attention = {self.attention!r}: use one of {', '.join(ATTENTION_KINDS)}"
+            )
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ConfigError(
+                f"train.megatron.recompute = {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}"
+            )
         if self.optimizer == "sgd" and self.distributed_optimizer:
             raise ConfigError(
                 "train.megatron.optimizer = 'sgd' with distributed_optimizer: true: megatron's distributed "
                 "optimizer is Adam-only; set distributed_optimizer: false"
             )
-        for name in ("bucket_mb", "cpus_per_rank"):
+        for name in ("bucket_mb", "cpus_per_rank", "gpu_memory_gib"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ConfigError(f"train.megatron.{name} = {v!r}: must be a positive number")
@@ -934,6 +955,7 @@ class ExperimentConfig:
             )
         for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
             a.apply(self.rollout)
+        self._check_trainer_dtype()
         if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
             raise ConfigError(
                 "rollout.scale_down.enabled needs engine replicas to free and a stream trainer to give "
@@ -959,6 +981,23 @@ class ExperimentConfig:
             megatron_gpus_per_rank=t.megatron.gpus_per_rank,
             train_device=t.device,
             judge_device=self.reward.judge.device,
+        )
+
+    def _check_trainer_dtype(self) -> None:
+        """On GPUs the megatron trainer must train in the engine's dtype. A float32 trainer
+        against a bf16 engine (or the reverse) disagrees with the engine's logprobs by rounding
+        before any update: the PPO ratio is not 1 at step 0 and clipping acts on that noise in
+        every step. Refused rather than warned about: a warning in a pod's log is read after the
+        GPU hours are spent, and the fix is one line."""
+        t, e = self.train, self.engine
+        if t.backend != "megatron" or t.megatron.gpus_per_rank <= 0 or t.megatron.dtype == e.dtype:
+            return
+        fix = "bfloat16" if e.dtype != "float32" else "float32"
+        raise ConfigError(
+            f"train.megatron.dtype = {t.megatron.dtype!r} with engine.dtype = {e.dtype!r} on GPUs "
+            "(train.megatron.gpus_per_rank: 1): the trainer's logprobs differ from the engine's before any "
+            "update, so the PPO ratio is not 1 from step 0; train in the engine's dtype "
+            f"(train.megatron.dtype: {fix}, and engine.dtype: {fix})"
         )
 
 

@@ -183,6 +183,7 @@ class TrainerService(Service, TrainerAPI):
                 ck / "model" if (ck / "model").is_dir() else ck,
                 dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
                 temperature=cfg.rollout.temperature,
+                longest_tokens=cfg.engine.max_model_len,  # prompt + response: the memory preflight
             )
             if base:
                 return  # the base model: the gang was built from it

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 
-def build_gqa_model(out: Path, tied: bool, vocab: int = 63) -> Path:
+def build_gqa_model(out: Path, tied: bool, vocab: int = 63, max_positions: int = 256) -> Path:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -22,7 +22,7 @@ def build_gqa_model(out: Path, tied: bool, vocab: int = 63) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=8,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tied,
         pad_token_id=0,
         eos_token_id=0,

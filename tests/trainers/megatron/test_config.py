@@ -17,6 +17,8 @@ def test_backend_and_layout_parse() -> None:
     assert (cfg.megatron.tp, cfg.megatron.pp, cfg.megatron.data_parallel, cfg.megatron.ranks) == (2, 2, 2, 8)
     assert TrainerConfig().backend == "torch"
     assert MegatronConfig(tp=2).ranks == 2
+    m = from_mapping(MegatronConfig, {"recompute": "full", "gpu_memory_gib": 141}, "train.megatron.")
+    assert (m.recompute, m.gpu_memory_gib, MegatronConfig().recompute) == ("full", 141.0, "none")
 
 
 @pytest.mark.parametrize(
@@ -28,6 +30,12 @@ def test_backend_and_layout_parse() -> None:
         ({"megatron": {"tp": 0}}, r"train.megatron.tp"),
         ({"megatron": {"tpp": 2}}, r"'train.megatron.tpp'"),
         ({"backend": "megatron", "kl_coef": 0.1}, r"kl_coef = 0.1 with train.backend: megatron"),
+        ({"megatron": {"recompute": "partial"}}, r"recompute = 'partial': use one of none, selective, full"),
+        ({"megatron": {"attention": "flash"}}, r"attention = 'flash': use one of unfused, sdpa"),
+        (
+            {"megatron": {"gpu_memory_gib": 0}},
+            r"train.megatron.gpu_memory_gib = 0.0: must be a positive number",
+        ),
     ],
 )
 def test_bad_config_refused_by_name(data: dict[str, object], message: str) -> None:
@@ -69,3 +77,52 @@ def test_unsupported_architecture_refused_before_any_process_starts(
     monkeypatch.setattr(gang.MegatronTrainer, "_start", lambda self: pytest.fail("started"))
     with pytest.raises(ConfigError, match=r"architecture 'MistralForCausalLM' is not supported"):
         gang.MegatronTrainer(bad, TrainerConfig(backend="megatron"))
+
+
+def test_a_plan_that_cannot_fit_the_gpus_is_refused_before_any_process_starts(
+    gqa_tied: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs the gang runs the memory preflight (core/memory.py) on the model's config.json;
+    CPU ranks (gpus_per_rank: 0) share the host's memory and are not sized per device."""
+    started: list[bool] = []
+    monkeypatch.setattr(gang.MegatronTrainer, "_start", lambda self: started.append(True))
+    monkeypatch.setattr(gang.MegatronTrainer, "_reset_accum", lambda self: None)
+    small = MegatronConfig(gpus_per_rank=1, gpu_memory_gib=2.0)
+    with pytest.raises(
+        ConfigError, match=r"needs 4\.\d GiB .*more than gpu_memory_gib = 2 .*longest sequence 200"
+    ):
+        gang.MegatronTrainer(gqa_tied, TrainerConfig(backend="megatron", megatron=small), longest_tokens=200)
+    assert not started
+    cpu = MegatronConfig(gpus_per_rank=0, gpu_memory_gib=2.0)
+    gang.MegatronTrainer(gqa_tied, TrainerConfig(backend="megatron", megatron=cpu), longest_tokens=200)
+    assert started == [True]
+
+
+def test_the_cluster_config_trains_in_the_engines_dtype_and_fits_its_gpus() -> None:
+    """configs/cluster.yaml (= manifests/experiment.yaml): bf16 like its engine, recompute and the
+    fused attention on, and the Qwen2.5-7B plan passes the memory preflight on 80 GB; in fp32
+    against the bf16 engine it is refused by name, and without recompute or with the unfused
+    attention the preflight refuses it."""
+    from rollpacker.core.config import load_config
+    from rollpacker.core.memory import GIB, ModelShape, check_fits, training_plan
+    from tests.core.test_memory import QWEN25
+
+    cfg = load_config("cluster")
+    assert (cfg.engine.dtype, cfg.train.megatron.dtype) == ("bfloat16", "bfloat16")
+    plan = training_plan(cfg)
+    assert plan is not None and (plan.tp, plan.dp, plan.longest_tokens, plan.attention) == (
+        2,
+        4,
+        9216,
+        "sdpa",
+    )
+    assert check_fits(ModelShape.from_hf_config(QWEN25["7B"]), plan).total <= 80 * GIB
+    with pytest.raises(ConfigError, match=r"train.megatron.dtype = 'float32' with engine.dtype = 'bfloat16'"):
+        load_config("cluster", {"train.megatron.dtype": "float32"})
+    load_config("cluster", {"train.megatron.dtype": "float32", "engine.dtype": "float32"})
+    load_config("cluster", {"train.megatron.dtype": "float32", "train.megatron.gpus_per_rank": 0})  # CPU
+    for change in ({"train.megatron.recompute": "none"}, {"train.megatron.attention": "unfused"}):
+        other = training_plan(load_config("cluster", change))
+        assert other is not None
+        with pytest.raises(ConfigError, match=r"more than gpu_memory_gib = 80"):
+            check_fits(ModelShape.from_hf_config(QWEN25["7B"]), other)

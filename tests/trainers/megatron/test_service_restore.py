@@ -21,8 +21,9 @@ class FakeGang:
 
     built: ClassVar[list[FakeGang]] = []
 
-    def __init__(self, model_dir: Path, cfg: TrainerConfig, temperature: float) -> None:
+    def __init__(self, model_dir: Path, cfg: TrainerConfig, temperature: float, longest_tokens: int) -> None:
         self.model_dir, self.cfg, self.temperature = model_dir, cfg, temperature
+        self.longest_tokens = longest_tokens  # the memory preflight's longest sequence
         self.broken = ""
         self.loaded: list[Path] = []
         self.closed = False
@@ -56,6 +57,7 @@ def test_restore_reuses_a_healthy_gang_and_rebuilds_a_broken_one(
     first = svc.trainer
     assert FakeGang.built == [first] and first.model_dir == base and first.loaded == []
     assert first.cfg.megatron.tp == 2
+    assert first.longest_tokens == cfg.engine.max_model_len  # prompt + response
 
     ck1 = _checkpoint(tmp_path, "ck1")
     TrainerService._restore_megatron(svc, ck1)  # healthy: reloads in place

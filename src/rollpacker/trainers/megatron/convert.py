@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.memory import ModelShape
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
@@ -78,21 +79,28 @@ class Qwen2Layout:
             raise ConfigError(
                 f"{where}: hidden_act {cfg.get('hidden_act')!r}: only silu (SwiGLU) is supported"
             )
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        shape = ModelShape.from_hf_config(cfg, where)
         return cls(
-            num_layers=int(cfg["num_hidden_layers"]),
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            ffn_hidden_size=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
+            num_layers=shape.layers,
+            hidden_size=shape.hidden,
+            num_heads=shape.heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            ffn_hidden_size=shape.ffn,
+            vocab_size=shape.vocab,
+            tied=shape.tied,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         )
+
+    @property
+    def shape(self) -> ModelShape:
+        """The shapes the memory preflight needs (``core/memory.py``)."""
+        return ModelShape(
+            self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.ffn_hidden_size, self.vocab_size, self.tied,
+        )  # fmt: skip
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Qwen2Layout:

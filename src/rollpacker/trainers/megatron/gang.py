@@ -45,8 +45,9 @@ from typing import Any
 import torch
 
 from rollpacker.core.advantages import TrainSample, get_advantage_estimator
-from rollpacker.core.config import MegatronConfig, StoreConfig, TrainerConfig
+from rollpacker.core.config import StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.memory import MemoryPlan, check_fits
 from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
 from rollpacker.store.base import ObjectStore
@@ -57,10 +58,17 @@ from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
 CHECKPOINT_VERSION = 1
 
 
-def check_layout(model_dir: str | Path, mcfg: MegatronConfig) -> Qwen2Layout:
-    """The model's layout, after refusing (by name) what the gang could not run."""
+def check_layout(model_dir: str | Path, cfg: TrainerConfig, longest_tokens: int | None = None) -> Qwen2Layout:
+    """The model's layout, after refusing (by name) what the gang could not run: a split the model
+    does not allow, or, on GPUs, a plan whose ranks would not fit ``train.megatron.gpu_memory_gib``
+    (``core/memory.py``) with sequences of ``longest_tokens`` (prompt + response; default: one
+    micro-batch, ``train.tokens_per_micro_batch``)."""
+    mcfg = cfg.megatron
     lay = Qwen2Layout.from_dir(model_dir)
     lay.check_parallel(mcfg.tp, mcfg.pp)
+    if mcfg.gpus_per_rank > 0:  # CPU ranks share the host's memory: nothing to size per device
+        plan = MemoryPlan.of(mcfg, longest_tokens or cfg.tokens_per_micro_batch, cfg.tokens_per_micro_batch)
+        check_fits(lay.shape, plan)
     return lay
 
 
@@ -73,6 +81,7 @@ class MegatronTrainer:
         cfg: TrainerConfig,
         temperature: float = 1.0,
         ref_model_dir: str | Path | None = None,
+        longest_tokens: int | None = None,
     ) -> None:
         if temperature <= 0:
             raise TrainerError(
@@ -80,7 +89,7 @@ class MegatronTrainer:
             )
         self.cfg, self.mcfg = cfg, cfg.megatron
         self.model_dir = Path(model_dir)
-        self.layout = check_layout(self.model_dir, self.mcfg)  # before any process starts
+        self.layout = check_layout(self.model_dir, cfg, longest_tokens)  # before any process starts
         self.estimator = get_advantage_estimator(cfg.advantage_estimator)
         if self.estimator.scope.name == "BATCH":
             raise TrainerError(
@@ -143,6 +152,8 @@ class MegatronTrainer:
             use_cuda=m.gpus_per_rank > 0,
             threads=max(1, int(m.cpus_per_rank)),
             dtype=m.dtype,
+            recompute=m.recompute,
+            attention=m.attention,
         )
         actor = ray.remote(RankWorker)
         self.actors = [

@@ -58,6 +58,8 @@ class RankSpec:
     use_cuda: bool = False
     threads: int = 1  # torch intra-op threads of the rank (CPU)
     dtype: str = "float32"  # float32 | bfloat16 (fp32 master weights in the optimizer)
+    recompute: str = "none"  # none | selective | full (train.megatron.recompute)
+    attention: str = "unfused"  # unfused | sdpa (train.megatron.attention)
 
     @property
     def bf16(self) -> bool:
@@ -162,19 +164,19 @@ class RankWorker:
             variable_seq_lengths=True,
             moe_token_dispatcher_type="alltoall",  # dense model; allgather refuses variable lengths
             deallocate_pipeline_outputs=False,
+            **recompute_settings(s.recompute),
         )
 
     def _build(self) -> tuple[Any, Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         lay, s, c = self.layout, self.spec, self.cfg
         self.tconfig = self._transformer_config()
         model = GPTModel(
             config=self.tconfig,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=_layer_spec(s.attention),
             vocab_size=lay.padded_vocab(s.tp),
             max_sequence_length=lay.max_position_embeddings,
             pre_process=self.first_stage,
@@ -477,6 +479,33 @@ class RankWorker:
     def close(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _layer_spec(attention: str) -> Any:
+    """megatron-core's local layer spec; with ``sdpa`` its core attention is torch's fused kernel
+    (``attention.py``) instead of the unfused ``DotProductAttention``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from rollpacker.trainers.megatron.attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
+
+
+def recompute_settings(mode: str) -> dict[str, Any]:
+    """megatron-core's TransformerConfig fields for ``train.megatron.recompute``: ``selective``
+    recomputes the core attention (scores, softmax, probabilities x values) in backward, so no
+    layer keeps its ``[heads, seq, seq]`` probabilities; ``full`` checkpoints every layer (uniform,
+    one layer per unit): a layer keeps only its input and is recomputed in backward."""
+    if mode == "none":
+        return {}
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise TrainerError(f"train.megatron.recompute = {mode!r}: use none, selective or full")
 
 
 _OPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
