@@ -28,6 +28,7 @@ from rollpacker.core.devices import (
     check_device_setting,
     check_judge,
     gpu_declarations,
+    is_cuda,
 )
 from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
@@ -984,20 +985,26 @@ class ExperimentConfig:
         )
 
     def _check_trainer_dtype(self) -> None:
-        """On GPUs the megatron trainer must train in the engine's dtype. A float32 trainer
-        against a bf16 engine (or the reverse) disagrees with the engine's logprobs by rounding
-        before any update: the PPO ratio is not 1 at step 0 and clipping acts on that noise in
-        every step. Refused rather than warned about: a warning in a pod's log is read after the
-        GPU hours are spent, and the fix is one line."""
+        """On GPUs the trainer must train in the engine's dtype (the megatron gang on GPU ranks, the
+        torch backend on a ``cuda`` device). A float32 trainer against a bf16 engine (or the
+        reverse) disagrees with the engine's logprobs by rounding before any update: the PPO ratio
+        is not 1 at step 0 and clipping acts on that noise in every step. Refused rather than
+        warned about: a warning in a pod's log is read after the GPU hours are spent, and the fix
+        is one line."""
         t, e = self.train, self.engine
-        if t.backend != "megatron" or t.megatron.gpus_per_rank <= 0 or t.megatron.dtype == e.dtype:
+        if t.backend == "megatron" and t.megatron.gpus_per_rank > 0:
+            key, dtype, where = "train.megatron.dtype", t.megatron.dtype, "train.megatron.gpus_per_rank: 1"
+        elif t.backend == "torch" and is_cuda(t.device):
+            key, dtype, where = "train.dtype", t.dtype, f"train.device: {t.device}"
+        else:
+            return
+        if dtype == e.dtype:
             return
         fix = "bfloat16" if e.dtype != "float32" else "float32"
         raise ConfigError(
-            f"train.megatron.dtype = {t.megatron.dtype!r} with engine.dtype = {e.dtype!r} on GPUs "
-            "(train.megatron.gpus_per_rank: 1): the trainer's logprobs differ from the engine's before any "
-            "update, so the PPO ratio is not 1 from step 0; train in the engine's dtype "
-            f"(train.megatron.dtype: {fix}, and engine.dtype: {fix})"
+            f"{key} = {dtype!r} with engine.dtype = {e.dtype!r} on GPUs ({where}): the trainer's "
+            "logprobs differ from the engine's before any update, so the PPO ratio is not 1 from "
+            f"step 0; train in the engine's dtype ({key}: {fix}, and engine.dtype: {fix})"
         )
 
 

@@ -121,6 +121,10 @@ def test_the_cluster_config_trains_in_the_engines_dtype_and_fits_its_gpus() -> N
         load_config("cluster", {"train.megatron.dtype": "float32"})
     load_config("cluster", {"train.megatron.dtype": "float32", "engine.dtype": "float32"})
     load_config("cluster", {"train.megatron.dtype": "float32", "train.megatron.gpus_per_rank": 0})  # CPU
+    torch_gpu = {"train.backend": "torch", "train.device": "cuda"}  # the torch backend on a GPU likewise
+    with pytest.raises(ConfigError, match=r"train.dtype = 'float32' with engine.dtype = 'bfloat16' on GPUs"):
+        load_config("cluster", torch_gpu)
+    load_config("cluster", {**torch_gpu, "train.dtype": "bfloat16"})
     for change in ({"train.megatron.recompute": "none"}, {"train.megatron.attention": "unfused"}):
         other = training_plan(load_config("cluster", change))
         assert other is not None
