@@ -40,7 +40,9 @@ slow: setup
 
 # The gate (.ci/run): everything but the GPU tests, the slow ones included. The 30 slowest tests are
 # listed after every run, and a run over TEST_BUDGET_S fails naming them (tests/budget.py).
-TEST_BUDGET_S ?= 1800
+# The target is 25 minutes; the suite now takes ~30 on a warm model cache here (docs/testing.md),
+# so the budget leaves a cold cache's warm-ups (~4 min) on top before it fails a run.
+TEST_BUDGET_S ?= 2100
 PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
