@@ -3,8 +3,8 @@
 `make test` sets ``ROLLPACKER_TEST_BUDGET_S`` (2100: CI gives a submission 90 minutes in all, and
 the suite must leave room for set-up and the tests still to come; the target is 25 minutes). When
 the whole run took longer, the session fails after its last test, naming the slowest tests (setup,
-call and teardown added up, so a slow module fixture is charged to the test that started it) and the budget's setting. Without
-the variable (a `pytest -k ...` by hand) nothing is checked.
+call and teardown added up, so a slow module fixture is charged to the test that started it) and
+the budget's setting. Without the variable (a `pytest -k ...` by hand) nothing is checked.
 
 The budget is wall time on a machine as fast as the one it was set on (2 cores, the project's
 kind). The same tree has taken 1.4x longer on another machine of that kind, so a slower machine
