@@ -82,6 +82,22 @@ def test_the_preflight_formula_bounds_the_measured_bytes(
         assert got <= predicted <= (1.10 if sdpa else 1.05) * got, (recompute, dtype, n, got, predicted)
 
 
+def _gang_run(model_dir: Path, **layout: Any) -> Any:
+    """One update on a megatron gang of ``layout``, the gang closed and the Ray it started shut down."""
+    import ray
+
+    from .exactness import megatron_run
+
+    started = not ray.is_initialized()
+    try:
+        run, mt = megatron_run(model_dir, **layout)
+        mt.close()
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+    return run
+
+
 @pytest.mark.slow  # a gang of 1-2 processes per mode (~20-70 s each here)
 @pytest.mark.parametrize(
     "layout",
@@ -98,18 +114,11 @@ def test_recompute_and_fused_attention_leave_the_update_unchanged(
 ) -> None:
     """Recompute and the fused attention trade compute for memory only: the gradient and the SGD
     update of the gang equal the torch backend's within the bounds of tests/trainers/megatron/test_gang.py."""
-    import ray
 
-    from .exactness import logprob_err, megatron_run, rel, torch_run
+    from .exactness import logprob_err, rel, torch_run
 
     ref = torch_run(gqa_tied)
-    started = not ray.is_initialized()
-    try:
-        run, mt = megatron_run(gqa_tied, **layout)
-        mt.close()
-    finally:
-        if started and ray.is_initialized():
-            ray.shutdown()
+    run = _gang_run(gqa_tied, **layout)
     assert rel(run.grads, ref.grads) <= 1e-5
     assert rel(run.weights, ref.weights) <= 1e-5
     assert logprob_err(run.logprobs, ref.logprobs) <= 1e-5
@@ -121,18 +130,11 @@ def test_the_cluster_combination_in_bf16_stays_within_bf16_rounding(gqa_tied: Pa
     backend: within bf16's rounding (measured: gradient 6.4e-3 relative, logprobs 2.2e-3; bf16
     with the unfused attention and no recompute: 6.1e-3 and 2.8e-3; a non-causal attention
     planted: 1.18 and 5.3e-2)."""
-    import ray
 
-    from .exactness import logprob_err, megatron_run, rel, torch_run
+    from .exactness import logprob_err, rel, torch_run
 
     ref = torch_run(gqa_tied)
-    started = not ray.is_initialized()
-    try:
-        run, mt = megatron_run(gqa_tied, tp=2, dtype="bfloat16", attention="sdpa", recompute="full")
-        mt.close()
-    finally:
-        if started and ray.is_initialized():
-            ray.shutdown()
+    run = _gang_run(gqa_tied, tp=2, dtype="bfloat16", attention="sdpa", recompute="full")
     assert rel(run.grads, ref.grads) <= 1.5e-2
     assert rel(run.weights, ref.weights) <= 5e-3
     assert logprob_err(run.logprobs, ref.logprobs) <= 5e-3
