@@ -12,9 +12,9 @@ Where they go (services/trainer.py, services/rollout.py, stages/commit.py):
 - the store (the MinIO volume), per arm, and every arm of an experiment runs at once: the start
   model (HF copy) + ``checkpoint.keep`` committed checkpoints + the one a step writes before its
   commit + one failed attempt's, which stays until the next commit;
-- the training pod's local scratch (its ``/tmp``): the trainer writes the whole checkpoint there
-  before it uploads it (``staged``), and its download cache holds the start model and the
-  checkpoint it restores;
+- the training pod's local scratch (its ``/tmp``): every rank writes its shard there before it
+  uploads and deletes it, the ranks of a pod at once, so the peak is about one whole checkpoint
+  (``staged``), and its download cache holds the start model and the checkpoint it restores;
 - the rollout pod's ``/tmp``: its download cache holds the start model and one step checkpoint.
 
 Every volume must hold its bytes plus ``HEADROOM`` (file-system overhead, logs, the datasets).
@@ -82,7 +82,7 @@ class Layout:
 
     arms: int
     keep: int
-    staged: bool = True  # the trainer writes the whole checkpoint locally before uploading it
+    staged: bool = True  # a pod's ranks hold their shards locally at once (about one checkpoint)
 
     def __post_init__(self) -> None:
         _positive_int("sizing: arms", self.arms)
