@@ -3,6 +3,7 @@ its end."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -35,19 +36,25 @@ def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _checkpoint_downloads_removed() -> Iterator[None]:
+def _checkpoint_downloads_of_this_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """The services keep the checkpoints they download in ``$ROLLPACKER_CACHE/checkpoints`` (for a
     user's next run); the suite's end-to-end runs put ~1 GB there each time (measured: 47 entries,
-    1.0 GB after two runs), which would fill a machine's disk run by run. What this session added is
-    removed at its end; the warmed-up models beside them stay cached."""
-    from rollpacker.services.base import checkpoint_cache
+    1.0 GB after two runs), which would fill a machine's disk run by run. The session downloads
+    into a directory of its own instead (``$ROLLPACKER_CHECKPOINT_CACHE``, inherited by the stage
+    processes and forwarded to the services), removed at its end: removing what appeared in the
+    shared directory during the session also removed the downloads of another session running
+    at the same time, mid-read. The warmed-up models stay in the shared cache."""
+    from rollpacker.services.base import CHECKPOINT_CACHE_ENV
 
-    root = checkpoint_cache()
-    before = set(root.iterdir()) if root.is_dir() else set()
+    root = tmp_path_factory.mktemp("checkpoints")
+    before = os.environ.get(CHECKPOINT_CACHE_ENV)
+    os.environ[CHECKPOINT_CACHE_ENV] = str(root)
     yield
-    if root.is_dir():
-        for path in set(root.iterdir()) - before:
-            shutil.rmtree(path, ignore_errors=True)
+    if before is None:
+        os.environ.pop(CHECKPOINT_CACHE_ENV, None)
+    else:
+        os.environ[CHECKPOINT_CACHE_ENV] = before
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -115,7 +115,7 @@ class Service:
         if self._dataset is None and readable_here(name):
             self._dataset = name
         if self._dataset is None:
-            cache = checkpoint_cache().parent / "datasets"
+            cache = download_cache() / "datasets"
             self._dataset = local_dataset(self.store(), name, self.cfg.experiment, self.arm, cache)
         return self._dataset
 
@@ -128,6 +128,16 @@ def _store(store_cfg: StoreConfig) -> ObjectStore:
     return open_store(store_cfg)
 
 
+CHECKPOINT_CACHE_ENV = "ROLLPACKER_CHECKPOINT_CACHE"
+
+
+def download_cache() -> Path:
+    """Where services keep what they download (``$ROLLPACKER_CACHE``, else ~/.cache/rollpacker)."""
+    return Path(os.environ.get("ROLLPACKER_CACHE", Path.home() / ".cache" / "rollpacker"))
+
+
 def checkpoint_cache() -> Path:
-    """Where services keep downloaded checkpoints (``$ROLLPACKER_CACHE``/checkpoints)."""
-    return Path(os.environ.get("ROLLPACKER_CACHE", Path.home() / ".cache" / "rollpacker")) / "checkpoints"
+    """Where services keep downloaded checkpoints: ``$ROLLPACKER_CHECKPOINT_CACHE`` when set (a
+    directory of one session's own, such as the test suite's), else ``$ROLLPACKER_CACHE``/checkpoints."""
+    own = os.environ.get(CHECKPOINT_CACHE_ENV)
+    return Path(own) if own else download_cache() / "checkpoints"

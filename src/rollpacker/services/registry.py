@@ -70,7 +70,7 @@ from rollpacker.services.api import (
     TrainReport,
     Validation,
 )
-from rollpacker.services.base import Service, ServiceError, config_digest
+from rollpacker.services.base import CHECKPOINT_CACHE_ENV, Service, ServiceError, config_digest
 from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
@@ -378,6 +378,7 @@ class RegistrySpec:
     # keeps it in the GCS and shows it on the dashboard (docs/operations.md, "Secrets").
     forward_env: tuple[str, ...] = (
         "ROLLPACKER_CACHE",
+        CHECKPOINT_CACHE_ENV,
         "ROLLPACKER_LOCAL_SERVICES",
         SERVICES_DIR_ENV,
         "MALLOC_ARENA_MAX",
