@@ -7,7 +7,9 @@ the wrong layer's weights, or a buffer used before its copy finished).
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -187,14 +189,28 @@ class _WrongLayer(OffloadedCausalLM):
 
 
 class _NoWait(OffloadedCausalLM):
-    """Broken: computes a layer without waiting for its (slow) copy: stale or unset buffer weights."""
+    """Broken: computes a layer without waiting for its copy. Each copy is held here until its layer
+    has been computed (a copy slower than the compute for certain, not by a sleep that a loaded
+    machine may outlast), so a streamed layer computes with what its buffer held before: with 2
+    buffers for layers 1..3, layer 1 computes with layer 3's weights from the previous forward."""
+
+    def _begin(self) -> None:
+        for fut in getattr(self, "_late", []):  # the previous forward's copies have all landed
+            fut.result()
+        self._late: list[Future[float]] = []
+        self._computed_now = {j: threading.Event() for j in range(self.num_layers)}
+        super()._begin()
 
     def _copy_layer(self, j: int, slot: int) -> float:
-        time.sleep(0.05)
+        self._computed_now[j].wait(timeout=60)
         return super()._copy_layer(j, slot)
 
     def _wait_copied(self, j: int) -> None:
-        self._copy_futs.pop(j, None)
+        self._late.append(self._copy_futs.pop(j))  # never waits: the bug
+
+    def _exit(self, j: int) -> None:
+        self._computed_now[j].set()
+        super()._exit(j)
 
 
 @pytest.mark.parametrize("broken", [_WrongLayer, _NoWait], ids=["wrong_layer", "no_wait"])
@@ -208,14 +224,25 @@ def test_a_broken_offload_is_caught(model_dir, resident, broken) -> None:
 
 def test_the_slow_copy_is_waited_for_when_not_broken(model_dir, resident) -> None:
     class SlowCopy(OffloadedCausalLM):
+        """Each copy starts only once the compute thread waits for it, and takes 50 ms more."""
+
+        def _begin(self) -> None:
+            self._waiting = {j: threading.Event() for j in range(self.num_layers)}
+            super()._begin()
+
         def _copy_layer(self, j: int, slot: int) -> float:
+            self._waiting[j].wait(timeout=60)
             time.sleep(0.05)
             return super()._copy_layer(j, slot)
+
+        def _wait_copied(self, j: int) -> None:
+            self._waiting[j].set()
+            super()._wait_copied(j)
 
     ids, attn = _batch()
     with SlowCopy(model_dir, 1) as runner:
         assert _diff(_logits(runner.model, ids, attn), _logits(resident, ids, attn)) <= TOL
-        assert runner.stats().wait_s > 0.04
+        assert runner.stats().wait_s > 0.04 * 3  # three streamed layers, each waited for
 
 
 def test_bench_offload_reports_every_mode(tmp_path) -> None:
