@@ -44,7 +44,7 @@ def test_faults_of_every_kind_are_recovered_within_the_run_and_nothing_is_lost(t
         assert f["recovered"], f"{f['spec']} not recovered:\n{text}\n" + "\n".join(lines[-40:])
         assert f["recover_s"] is not None and f["recover_s"] < 600
     core = next(f for f in d["faults"] if f["kind"] == "engine-core")
-    assert core["waited_s"] < 30, f"the engine core was not killed while its round ran: {core}"
+    assert core["in_its_step"], f"the engine core was not killed in its own step's round: {core}"
     run = d["arm_runs"]["tail_batching"]
     assert run["complete"] and run["committed_step"] == STEPS - 1, text
     c = d["comparison"]["tail_batching"]

@@ -521,6 +521,10 @@ def _outcomes(faults: list[Fault], run: dict[str, Any], ctl: Controller, marks: 
             if row["fired"]:
                 row["t_stop"] = doc["t_kill"]
                 row["waited_s"] = doc["waited_s"]
+                # killed in its own step (its round or profile), not in a later one's: before the
+                # poller saw the step commit (it sees a commit late, never early)
+                seen = next((ts for ts, s in commits if s >= f.step), None)
+                row["in_its_step"] = seen is not None and doc["t_kill"] < seen
         ev = next((e for e in ctl.events if e.get("spec") == f.spec and e["action"] != "mlflow-up"), None)
         up = next((e for e in ctl.events if e.get("spec") == f.spec and e["action"] == "mlflow-up"), None)
         if ev is not None:
