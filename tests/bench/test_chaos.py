@@ -184,12 +184,15 @@ def test_an_engine_core_is_killed_when_it_next_works_not_while_it_idles(
     """The engine-core fault's watcher: a core that waits on its socket uses no CPU and is spared;
     it is SIGKILLed once it computes (a stand-in process: idle 1 s, then busy)."""
     busy_from = tmp_path / "busy-from"
+    ready = tmp_path / "ready"
     code = (
-        f"import time\ntime.sleep(1.0)\nopen({str(busy_from)!r}, 'w').write(repr(time.time()))\n"
-        "while True:\n    pass\n"
+        f"import time\nopen({str(ready)!r}, 'w').close()\ntime.sleep(1.0)\n"
+        f"open({str(busy_from)!r}, 'w').write(repr(time.time()))\nwhile True:\n    pass\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
+        while not ready.exists():  # the interpreter's own start-up works too: not the idle part
+            time.sleep(0.01)
         monkeypatch.setattr(faults, "engine_core_pids", lambda: [proc.pid] if proc.poll() is None else [])
         faults._kill_busy_core(str(tmp_path), "rollout:EngineCore@1", wait_s=20.0)
         assert proc.wait(timeout=5) == -signal.SIGKILL

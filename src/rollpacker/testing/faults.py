@@ -246,16 +246,23 @@ def _hang_sandbox(mark_dir: str, spec: str, wait_s: float = 180.0, limit_s: floa
 
 
 def _kill_busy_core(
-    mark_dir: str, spec: str, wait_s: float = 300.0, every_s: float = 0.05, busy: float = 0.5
+    mark_dir: str,
+    spec: str,
+    wait_s: float = 300.0,
+    every_s: float = 0.05,
+    busy: float = 0.15,
+    window: int = 5,
 ) -> None:
     """SIGKILL the rollout service's vLLM engine cores the first time, within ``wait_s``, that
-    they use more than ``busy`` of a CPU over ``every_s`` (an idle core waits on its socket and
-    uses none); the outcome goes into the spec's mark file as JSON."""
+    they use more than ``busy`` of a CPU over the last ``window`` samples ``every_s`` apart (an
+    idle core waits on its socket and uses none; a working one on a loaded machine may get a
+    fifth of a CPU, in 10 ms ticks, so one short sample is too coarse a judge); the outcome goes
+    into the spec's mark file as JSON."""
     import psutil
 
     t0 = time.monotonic()
     doc: dict[str, object] = {"spec": spec, "killed": False}
-    last: dict[int, float] = {}
+    seen: list[dict[int, float]] = []  # the last window + 1 samples: pid -> CPU seconds
     root = os.environ.get(SERVICES_ENV, "")
     while time.monotonic() - t0 < wait_s:
         if root and not (Path(root) / "pids" / "ray.json").exists():
@@ -267,7 +274,10 @@ def _kill_busy_core(
                 now[pid] = t.user + t.system
             except psutil.Error:
                 continue
-        hot = [pid for pid, c in now.items() if pid in last and c - last[pid] > busy * every_s]
+        seen = [*seen[-window:], now]
+        first = seen[0]
+        span_s = every_s * (len(seen) - 1)
+        hot = [pid for pid, c in now.items() if pid in first and span_s and c - first[pid] > busy * span_s]
         if hot:
             for pid in now:
                 try:
@@ -276,7 +286,6 @@ def _kill_busy_core(
                     continue
             doc.update(killed=True, pids=sorted(now), t_kill=time.time(), waited_s=time.monotonic() - t0)
             break
-        last = now
         time.sleep(every_s)
     tmp = Path(mark_dir, mark_name(spec) + ".tmp")
     tmp.write_text(json.dumps(doc))
