@@ -1,4 +1,5 @@
-"""Layouts and in-step layout switching on real vLLM: TP 1 x DP 2 and TP 2 x DP 1 on two cores.
+"""Layouts, in-step layout switching and scale-down on real vLLM: TP 1 x DP 2 and TP 2 x DP 1 on
+two cores.
 
 One pool (three engine processes: two TP-1 replicas, one TP-2 engine) serves every test here.
 """
@@ -7,14 +8,22 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from rollpacker.core.config import EngineConfig
 from rollpacker.core.latency import Layout, Predictor, SwitchDecision, trajectory_error
+from rollpacker.core.scaledown import LengthHistory, ScaleDownConfig
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
-from rollpacker.engines.layout import EnginePool, SwitchingEngine, device_groups
+from rollpacker.engines.layout import (
+    EnginePool,
+    ScaleDownRuntime,
+    SwitchingEngine,
+    device_groups,
+    kv_capacity_tokens,
+)
 from rollpacker.rollout.driver import generate
 
 pytestmark = pytest.mark.slow
@@ -128,6 +137,70 @@ def test_profile_and_trajectory_on_real_engines(pool) -> None:
     # the target (<= 10 %) is measured by `rollpacker profile` on a quiet machine; here only
     # that the prediction is in the right range, not off by a factor
     assert err.total_error < 0.6, err
+
+
+# --- scale-down (RollPacker 4.4): two TP-1 replicas, greedy decoding -----------------------------
+# The requests of the freed replica move to the kept one by recompute migration in the middle of
+# decoding; greedy decoding must give the very tokens of the run without scale-down (logprobs to
+# float tolerance), every request must finish exactly once, and the parked replica must not step.
+
+
+def _sd_reqs(tag: str, n: int = 12) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            request_id=f"{tag}/{i}",
+            prompt=Prompt(f"p{i}", tuple(range(10 + i, 40 + i))),
+            sample_index=0,
+            sampling=SamplingSpec(max_tokens=12 + 10 * i, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
+
+
+def _sd_run(eng: SwitchingEngine, reqs: list[GenerationRequest], rt: ScaleDownRuntime | None) -> dict:
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    finished: Counter[str] = Counter()
+    for r in reqs:
+        eng.add_request(r)
+        out[r.request_id] = ([], [])
+    parked_steps = None
+    while eng.has_unfinished():
+        ups, _ = eng.step()
+        for u in ups:
+            out[u.request_id][0].extend(u.new_token_ids)
+            out[u.request_id][1].extend(u.new_logprobs)
+            finished[u.request_id] += u.finished
+        if rt is not None:
+            rt.observe(sum(finished.values()))
+            if rt.decision is not None and parked_steps is None:
+                parked_steps = [len(rt.engine.engine.replicas[i].live_request_ids()) for i in (0, 1)]
+    assert set(finished.values()) == {1} and set(finished) == set(out)
+    return {"out": out, "parked_live": parked_steps}
+
+
+def test_greedy_tokens_survive_a_scale_down_on_vllm(pool) -> None:
+    base = _sd_run(SwitchingEngine(pool, None, A, enabled=False), _sd_reqs("sd-base"), None)
+    eng = SwitchingEngine(pool, None, A, enabled=False)
+    lent: list[tuple[str, ...]] = []
+    cap = kv_capacity_tokens(pool[A])
+    assert cap > 1000
+    rt = ScaleDownRuntime(
+        eng, ScaleDownConfig(enabled=True), LengthHistory((), 200), lambda _l: cap, lent.append
+    )
+    got = _sd_run(eng, _sd_reqs("sd-on"), rt)
+    outcome = rt.close()
+    assert outcome.scaled_down and outcome.migrated_requests > 0 and len(lent) == 1
+    assert lent[0] in (("0",), ("1",))
+    freed = int(lent[0][0])
+    assert got["parked_live"][freed] == 0, "the freed replica holds no request after the move"
+    assert eng.scale_events[0].recompute_s > 0
+    for i, r in enumerate(_sd_reqs("x")):
+        a = base["out"][f"sd-base/{i}"]
+        b = got["out"][f"sd-on/{i}"]
+        assert len(b[0]) == r.sampling.max_tokens == len(b[1])
+        assert a[0] == b[0], f"request {i}: tokens differ after the migration"
+        assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) < 1e-3
+    assert eng.engine.active == [0, 1]
 
 
 def test_weights_reach_every_engine_of_every_layout(pool) -> None:
