@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -95,7 +96,12 @@ def test_threads_are_counted_by_name_and_the_change_names_them() -> None:
         t.join()
     assert before.get("soak-probe", 0) == 0 and during["soak-probe"] == 1
     assert threads_changed(before, during)["soak-probe"] == 1
-    assert thread_names(os.getpid()).get("soak-probe", 0) == 0  # gone with the thread
+    # gone with the thread: join() returns when Python is done with it, a moment before the OS
+    # thread has left /proc/<pid>/task (seen under load)
+    deadline = time.monotonic() + 10
+    while thread_names(os.getpid()).get("soak-probe", 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread_names(os.getpid()).get("soak-probe", 0) == 0
     assert threads_changed({"a": 2, "b": 1}, {"a": 2, "c": 1}) == {"b": -1, "c": 1}
     r = _report([1000.0] * 12, [10] * 12)
     for i, s in enumerate(r.samples):  # two more "grpc" threads from step 6 on
