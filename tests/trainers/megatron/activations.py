@@ -52,11 +52,13 @@ def saved_bytes(worker: Any, length: int) -> int:
     params |= {p.main_grad.untyped_storage().data_ptr() for p in worker.model.parameters()}
     seen: dict[int, int] = {}
     inputs: set[int] = set()
+    masks: list[torch.Tensor] = []  # held: a freed mask's address, reused by an activation, would drop it
     real_triu = torch.triu
 
     def triu(*a: Any, **k: Any) -> torch.Tensor:  # the causal mask the forward step builds
         t = real_triu(*a, **k)
         inputs.add(t.untyped_storage().data_ptr())
+        masks.append(t)
         return t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
