@@ -39,6 +39,7 @@ from rollpacker.core.config import (
     ExperimentConfig,
     RolloutConfig,
     apply_overrides,
+    arm_config,
     config_from_text,
     load_config,
     resolve_config,
@@ -54,7 +55,7 @@ from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
 from rollpacker.store import open_store
 from rollpacker.store.state_store import StateStore
-from rollpacker.tasks.models import prepare_model
+from rollpacker.tasks.models import check_model, prepare_model
 from rollpacker.tracking import ExperimentTracker, compare, log_compare
 
 
@@ -117,6 +118,7 @@ def run_experiment(
     for a in chosen:
         if a not in cfg.arm_names:
             raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
+        check_model(arm_config(text, a))  # before the services, the store and any warm-up
     started: Any = None
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
@@ -262,12 +264,15 @@ def train_config(
         run_name or base.run_name or f"{policy}{'-one-off' if base.rollout.one_off else ''}-seed{base.seed}"
     )
     data["arms"] = [{"name": name.lower().replace(".", "-"), "policy": policy}]
+    root = Path(base.out_dir).resolve() / "store"
     if "store" not in data:
-        root = Path(base.out_dir).resolve() / "store"
-        root.mkdir(parents=True, exist_ok=True)
         data["store"] = {"endpoint": f"file://{root}"}
     text = yaml.safe_dump(data, sort_keys=False)
-    return text, config_from_text(text, where=f"{config_path} (as one training arm)")
+    cfg = config_from_text(text, where=f"{config_path} (as one training arm)")
+    check_model(cfg)  # the model-dependent checks, before any warm-up, engine or store work
+    if cfg.store.endpoint == f"file://{root}":
+        root.mkdir(parents=True, exist_ok=True)  # only for a config that passed every check
+    return text, cfg
 
 
 def _policy_of(config_path: Path, overrides: dict[str, Any]) -> str:
