@@ -337,11 +337,20 @@ def _check_rerun(
 ) -> None:
     """An arm that ran before goes on only as asked: its committed state with ``resume``; its MLflow
     run (one per arm: a new run would log into it) only when that run committed no step, and then
-    saying so. Otherwise a ConfigError says what is there and what to pass."""
+    saying so. An arm whose earlier start committed no step (it failed in its first step: only the
+    initial state, step -1, is there) just starts over. Otherwise a ConfigError says what is there
+    and what to pass."""
     arm, where = states.arm, f"experiment {states.experiment!r}"
     latest = states.latest()
     if latest is not None:
         if resume:
+            return
+        if latest.step < 0:  # an earlier start failed before its first commit: nothing to keep
+            deleted = states.reset()
+            run = tracker.find_arm_run(arm)
+            if run is not None:
+                tracker.client.delete_run(run)
+            say(f"[{arm}] an earlier start committed no step: starting over (deleted {deleted} objects)")
             return
         n = latest.step + 1
         done = f"committed {n} step(s)" if n else "started (no step committed yet)"
