@@ -44,7 +44,7 @@ from rollpacker.core.config import (
     load_config,
     resolve_config,
 )
-from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.logs import console
@@ -354,7 +354,7 @@ def _check_rerun(
             return
         n = latest.step + 1
         done = f"committed {n} step(s)" if n else "started (no step committed yet)"
-        raise ConfigError(
+        raise RunExistsError(
             f"arm {arm!r} of {where} already {done} in {states.store.uri(states.prefix)} (MLflow run "
             f"{latest.mlflow_run_id}): pass --resume to continue it or --fresh to start it over"
         )
@@ -365,7 +365,7 @@ def _check_rerun(
     if pointer is None:
         say(f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step")
         return
-    raise ConfigError(
+    raise RunExistsError(
         f"arm {arm!r} of {where} has MLflow run {run} (tracking_uri = "
         f"{redact_uri(tracker.tracking_uri)!r}) with "
         f"{pointer[1] + 1} committed step(s), but their state ({pointer[0]}) is not in this store "

@@ -192,3 +192,40 @@ def test_mixed_task_routes_each_kind_and_keeps_anchors_in_the_state(tmp_path):
     assert all(t > 0 for _, t in last.timeout_anchors)
     kinds = {k for k in keys if k.startswith("reward/") and k.endswith("_mean")}
     assert {"reward/math_mean", "reward/code_mean", "reward/judge_mean"} <= kinds
+
+
+def test_a_run_with_committed_steps_names_the_exact_commands_and_both_work(tmp_path, monkeypatch):
+    """`rollpacker train` on a run with committed steps prints the command that continues it and
+    the one that starts it over; each of them gets past the check (to where training would start)."""
+    import dataclasses
+    import shlex
+
+    from rollpacker.cli import app
+    from rollpacker.core.state import ControllerState
+    from rollpacker.experiment import train_config
+    from rollpacker.store import open_store
+    from rollpacker.store.state_store import StateStore
+
+    f, base = _config(tmp_path)
+    sets = [a for k, v in base.items() for a in ("--set", f"{k}={v}")]
+    _, cfg = train_config(f, base)
+    (arm,) = cfg.arm_names
+    states = StateStore(open_store(cfg.store), cfg.experiment, arm)
+    first = ControllerState(cfg.experiment, arm, -1, 0, 0, 0, mlflow_run_id="r0")
+    states.init(first)
+    states.commit(dataclasses.replace(first, step=0, policy_version=1))
+
+    def started(*_a, **_k):
+        raise _Started
+
+    monkeypatch.setattr("rollpacker.experiment.prepare_model", started)
+    monkeypatch.setattr("rollpacker.experiment.StageContext.create", started)
+    res = CliRunner().invoke(app, ["train", "--config", str(f), *sets])
+    assert res.exit_code == 2 and "already committed 1 step(s)" in res.output, res.output
+    commands = dict(line.strip().split(":", 1) for line in res.output.splitlines() if line.startswith("  "))
+    assert set(commands) == {"continue it", "start it over"}, res.output
+    for what, flag in (("continue it", "--resume"), ("start it over", "--fresh")):
+        argv = shlex.split(commands[what])
+        assert argv[:2] == ["rollpacker", "train"] and argv[-1] == flag
+        assert isinstance(CliRunner().invoke(app, argv[1:]).exception, _Started), what  # past the check
+    assert states.latest() is None  # --fresh deleted the run's state
