@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -216,3 +219,77 @@ def test_mlflow_that_answers_health_but_not_its_api_is_not_healthy(tmp_path: Pat
     finally:
         proc.kill()
         proc.wait()
+
+
+def _free_offset() -> int:
+    """A ``--port-offset`` whose SeaweedFS and Ray ports are all free now."""
+    import random
+
+    for _ in range(200):
+        off = random.randrange(100, 9000, 7)
+        sw, ray = SeaweedPorts().shifted(off), RayPorts().shifted(off)
+        fixed = [*dataclasses.astuple(sw), ray.gcs, ray.client_server, ray.dashboard_agent]
+        if max(fixed) < 65536 and not any(
+            devservices._port_open(h, p) for h in ("127.0.0.1", "127.0.0.2") for p in fixed
+        ):
+            return off
+    raise AssertionError("no free port offset")
+
+
+def _ours(root: Path) -> list[int]:
+    """Live processes an `up` under ``root`` started (their TMPDIR is under ``root/tmp``)."""
+    marker = str((root / "tmp").resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TMPDIR", "").startswith(marker) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_an_up_interrupted_while_the_ray_head_starts_is_healed_by_the_next_up(
+    tmp_path: Path, sig: int
+) -> None:
+    """Ctrl-C (SIGINT) or SIGKILL of `rollpacker up` while `ray start` runs (what a new user does to
+    a silent start): the next `up` ends with every service working, and `down` leaves nothing."""
+    root = tmp_path / "svc"
+    off = _free_offset()
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollpacker.cli",
+        "up",
+        "--root",
+        str(root),
+        "--no-mlflow",
+        "--port-offset",
+        str(off),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "logs" / "ray.log").exists():  # `ray start` is running
+            assert proc.poll() is None and time.monotonic() < deadline, "up ended before the Ray head started"
+            time.sleep(0.05)
+        time.sleep(2.0)  # its GCS server and raylet are starting
+        proc.send_signal(sig)
+        proc.wait(60)
+        kw = {"seaweed_ports": SeaweedPorts().shifted(off), "ray_ports": RayPorts().shifted(off)}
+        svc = devservices.up(root, mlflow=False, timeout_s=120, **kw)  # type: ignore[arg-type]
+        assert set(svc.started) | set(svc.reused) == {"seaweedfs", "ray"}
+        statuses = {s.name: s for s in devservices.status(root)}
+        assert statuses["seaweedfs"].healthy and statuses["ray"].healthy  # a client connects
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        devservices.down(root, grace_s=5)
+        left = _ours(root)
+        for pid in left:  # on a failure too: only what this test's `up`s started
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    assert left == []  # nothing of either `up` is left running
