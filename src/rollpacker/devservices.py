@@ -427,6 +427,15 @@ def local_ray_address(root: Path | str | None = None) -> str:
     return str(rec["address"]) if rec is not None and _members(rec) else ""
 
 
+def local_ray_head_broken(address: str, root: Path | str | None = None) -> bool:
+    """Whether ``address`` is the Ray head `rollpacker up` started and that head lost its GCS server
+    or raylet (a client's ``ray.init`` there hangs instead of failing); a cheap process check."""
+    rec = _read_record(Path(root) if root is not None else services_dir(), "ray")
+    if rec is None or str(rec["address"]) != address.removeprefix("ray://"):
+        return False
+    return bool(_members(rec)) and not _ray_daemons_alive(rec)
+
+
 def local_tracking_uri(root: Path | str | None = None) -> str:
     """The MLflow server `rollpacker up` started, or "" when none is running."""
     rec = _read_record(Path(root) if root is not None else services_dir(), "mlflow")

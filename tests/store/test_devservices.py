@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -153,6 +154,16 @@ def test_mlflow_and_ray_up_down(tmp_path: Path, foreign: subprocess.Popen[bytes]
         psutil.Process(raylet).wait(10)
         (ray_status,) = [s for s in devservices.status(root) if s.name == "ray"]
         assert ray_status.running and not ray_status.healthy
+        # a client refuses it at once, naming the command that fixes it (ray.init would hang)
+        probe = "from rollpacker.services.registry import connect_ray; connect_ray(sys.argv[1], 'x')"
+        client = subprocess.run(
+            [sys.executable, "-c", f"import sys; {probe}", svc.ray_address],
+            env={**os.environ, "ROLLPACKER_SERVICES_DIR": str(root)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert client.returncode != 0 and "lost its raylet" in client.stderr and "`make up`" in client.stderr
         third = devservices.up(root, **kw)  # type: ignore[arg-type]
         assert third.started == ("ray",) and third.reused == ("seaweedfs", "mlflow")
         assert _alive(ray_pids) == []  # the half-dead head was stopped whole
