@@ -27,13 +27,14 @@ answer) prints one ``error:`` line and exits 2; ``rollpacker --debug ...`` shows
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from rollpacker.core.errors import RollpackerError
+from rollpacker.core.errors import RollpackerError, RunExistsError
 
 app = typer.Typer(
     help="rollpacker: tail batching and friends for synchronous on-policy RL post-training.",
@@ -471,6 +472,12 @@ def train(
         text, cfg = train_config(_config(config), _parse_sets(set_))
         with library_output_to(log_path(cfg, cfg.arm_names[0])):
             s = train_arm(text, resume=resume, fresh=fresh)
+    except RunExistsError as e:  # the exact commands that continue it and start it over
+        again = shlex.join(
+            ["rollpacker", "train", "--config", config, *(a for v in set_ for a in ("--set", v))]
+        )
+        _fail(RunExistsError(f"{e}\n  continue it:     {again} --resume\n  start it over:   {again} --fresh"))
+        return
     except RollpackerError as e:
         _fail(e)
         return

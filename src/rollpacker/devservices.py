@@ -16,8 +16,16 @@ every worker it spawns stay in that session, so ``down`` finds them all by sessi
 workers started after ``up``. A session id is only trusted while its leader is either gone or is
 the very process recorded (same start time), so a recycled PID is never killed.
 
+Healthy means "works" the way its users use it: SeaweedFS answers a bucket operation, MLflow an API
+call on its backend store, the Ray head has its GCS server and raylet alive and takes a real client
+connection (``ray.init`` in a child process). A service that fails this is stopped and started again,
+whatever its pid file says: processes an ``up`` under the same root started (their ``TMPDIR`` is its
+``tmp/<name>``) that still hold the service's ports are stopped even when no pid file names them.
+
 Invariants (tests/store/test_devservices.py):
 - ``up`` is idempotent: a running, healthy service is reused, not restarted;
+- a service that does not work (a Ray head whose raylet died, an MLflow whose API fails) is not
+  reused: it is stopped whole and started again, with or without its pid file;
 - ``down`` stops exactly the processes of the sessions ``up`` started, and removes their
   temporary directories;
 - a service that does not become healthy in time is stopped again and the error names its log.
@@ -60,6 +68,7 @@ SERVICE_NAMES = ("seaweedfs", "mlflow", "ray")
 HOST = "127.0.0.1"
 RAY_HOST = "127.0.0.2"  # Ray rewrites 127.0.0.1 to the machine's external address
 DEFAULT_BUCKET = "rollpacker"
+RAY_CLIENT_TIMEOUT_S = 60.0  # a client connection to a working head takes a few seconds
 
 # Popen objects of the services this process started (kept so that they are reaped, not warned about).
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
@@ -289,14 +298,16 @@ def _reuse_healthy(
     for name in wanted:
         rec = _read_record(root, name)
         if rec is not None:
-            if _members(rec) and _healthy(name, rec["address"], creds, bucket):
+            if _members(rec) and _healthy(name, rec, creds, bucket):
                 say(f"{name}: running (pid file {_pid_file(root, name)}), reused")
                 addresses[name] = rec["address"]
                 reused.append(name)
                 continue
-            say(f"{name}: recorded but not healthy; stopping its leftovers and starting it again")
+            say(f"{name}: recorded but not working; stopping it and starting it again")
             _stop([rec], grace_s=5.0)
             _pid_file(root, name).unlink(missing_ok=True)
+        if _stop_unrecorded(root, name, ports[name]):
+            say(f"{name}: stopped processes an earlier `up` here started that no pid file named")
         taken = [f"{h}:{p}" for h, p in ports[name] if _port_open(h, p)]
         if taken:
             raise ServicesError(
@@ -305,6 +316,34 @@ def _reuse_healthy(
                 "(`rollpacker up --port-offset N` moves them all)"
             )
     return reused
+
+
+def _stop_unrecorded(root: Path, name: str, ports: list[tuple[str, int]]) -> int:
+    """Stop the sessions of processes that an ``up`` under ``root`` started for ``name`` (their
+    ``TMPDIR`` is its ``tmp/<name>``) and that still listen on its ports although no live record
+    names them (a pid file removed or overwritten, a Ray head's daemons outliving their session's
+    recorded leader); the number of sessions stopped."""
+    import psutil
+
+    marker = str((root / "tmp" / name).resolve())
+    wanted = {p for _, p in ports}
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except psutil.Error:
+        return 0
+    sids: dict[int, float] = {}
+    for c in conns:
+        if not c.pid or c.status != psutil.CONN_LISTEN or not c.laddr or c.laddr.port not in wanted:
+            continue
+        try:
+            if psutil.Process(c.pid).environ().get("TMPDIR") != marker:
+                continue  # not ours: the caller's port check names it
+            sid = os.getsid(c.pid)
+        except (OSError, psutil.Error):
+            continue
+        sids[sid] = _create_time(sid) if psutil.pid_exists(sid) else 0.0
+    _stop([{"sid": sid, "leader_create_time": t} for sid, t in sids.items()], grace_s=5.0)
+    return len(sids)
 
 
 def _start_all(root: Path, starters: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -368,7 +407,7 @@ def status(root: Path | str = DEFAULT_ROOT) -> list[ServiceStatus]:
             out.append(ServiceStatus(name, False, False, "", (), str(root / "logs" / f"{name}.log")))
             continue
         members = _members(rec)
-        healthy = bool(members) and _healthy(name, rec["address"], creds, rec.get("bucket", DEFAULT_BUCKET))
+        healthy = bool(members) and _healthy(name, rec, creds, rec.get("bucket", DEFAULT_BUCKET))
         out.append(
             ServiceStatus(
                 name, bool(members), healthy, rec["address"], tuple(p.pid for p in members), rec["log"]
@@ -386,6 +425,15 @@ def local_ray_address(root: Path | str | None = None) -> str:
     """The address of the Ray head `rollpacker up` started, or "" when none is running."""
     rec = _read_record(Path(root) if root is not None else services_dir(), "ray")
     return str(rec["address"]) if rec is not None and _members(rec) else ""
+
+
+def local_ray_head_broken(address: str, root: Path | str | None = None) -> bool:
+    """Whether ``address`` is the Ray head `rollpacker up` started and that head lost its GCS server
+    or raylet (a client's ``ray.init`` there hangs instead of failing); a cheap process check."""
+    rec = _read_record(Path(root) if root is not None else services_dir(), "ray")
+    if rec is None or str(rec["address"]) != address.removeprefix("ray://"):
+        return False
+    return bool(_members(rec)) and not _ray_daemons_alive(rec)
 
 
 def local_tracking_uri(root: Path | str | None = None) -> str:
@@ -469,7 +517,7 @@ def _start_seaweed(
     address = f"{HOST}:{ports.s3}"
     store = _s3_client(address, creds, bucket, root)
 
-    def ready() -> bool:
+    def ready(_: dict[str, Any]) -> bool:
         try:
             store.create_bucket()
         except StoreError:
@@ -505,7 +553,7 @@ def _start_mlflow(
     }
     address = f"http://{HOST}:{port}"
     return _launch_and_wait(
-        "mlflow", root, cmd, env, address, lambda: _http_ok(address + "/health"), timeout_s, bucket=bucket
+        "mlflow", root, cmd, env, address, lambda _: _mlflow_ok(address), timeout_s, bucket=bucket
     )
 
 
@@ -538,14 +586,19 @@ def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> 
         # env_vars included (tests/test_secrets.py)
         {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"},
         address,
-        lambda: _port_open(RAY_HOST, ports.gcs),
+        # the daemons up, then one real client connection (the check `up` reuses a head by)
+        lambda rec: _port_open(RAY_HOST, ports.gcs) and _ray_daemons_alive(rec) and _ray_client_ok(address),
         timeout_s,
         daemonizes=True,
         temp_dir=str(temp_dir),
     )
 
 
-def _healthy(name: str, address: str, creds: dict[str, str] | None, bucket: str) -> bool:
+def _healthy(name: str, rec: dict[str, Any], creds: dict[str, str] | None, bucket: str) -> bool:
+    """Whether a recorded service works, checked the way its users use it: S3 with a bucket
+    operation, MLflow with an API call on its backend store, Ray with its daemons alive (GCS server
+    and raylet) and a real client connection (``ray.init`` on a head whose raylet died hangs)."""
+    address = str(rec["address"])
     if name == "seaweedfs":
         if creds is None:
             return False
@@ -555,9 +608,49 @@ def _healthy(name: str, address: str, creds: dict[str, str] | None, bucket: str)
             return False
         return True
     if name == "mlflow":
-        return _http_ok(address + "/health")
-    host, _, port = address.rpartition(":")
-    return _port_open(host, int(port))
+        return _mlflow_ok(address)
+    return _ray_daemons_alive(rec) and _ray_client_ok(address)
+
+
+def _mlflow_ok(address: str) -> bool:
+    """An MLflow REST call that reads its backend store (``/health`` answers without it)."""
+    return _http_ok(address + "/api/2.0/mlflow/experiments/search?max_results=1")
+
+
+def _ray_daemons_alive(rec: dict[str, Any]) -> bool:
+    """The head's GCS server and raylet are both alive in the recorded session."""
+    names = {_name(p) for p in _members(rec)}
+    return {"gcs_server", "raylet"} <= names
+
+
+# a driver that joins the cluster and sees a live node: what `rollpacker run` does first
+_RAY_CLIENT_PROBE = (
+    "import sys, ray\n"
+    "ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False)\n"
+    "sys.exit(0 if any(n['Alive'] for n in ray.nodes()) else 3)\n"
+)
+
+
+def _ray_client_ok(address: str, timeout_s: float = RAY_CLIENT_TIMEOUT_S) -> bool:
+    """A real client connection to the Ray head at ``address``, in a child process of its own
+    session (killed whole when it hangs past ``timeout_s``)."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RAY_CLIENT_PROBE, address],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        return proc.wait(timeout=timeout_s) == 0
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -569,14 +662,15 @@ def _launch_and_wait(
     cmd: list[str],
     extra_env: dict[str, str],
     address: str,
-    ready: Callable[[], bool],
+    ready: Callable[[dict[str, Any]], bool],
     timeout_s: float,
     *,
     daemonizes: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """Start ``cmd`` in a new session with its output in ``logs/<name>.log``; wait until ``ready()``.
-    A daemonizing command (``ray start``) must exit 0 first. On failure the session is stopped."""
+    ``ready`` gets the service's record (its session). A daemonizing command (``ray start``) must exit
+    0 first. On failure the session is stopped."""
     log = root / "logs" / f"{name}.log"
     # the service's temporary files (a Ray head's: its workers', the actors') in a directory of its
     # own, not its caller's (which may be a run's, deleted while the service lives on); `down`
@@ -600,7 +694,7 @@ def _launch_and_wait(
     try:
         if daemonizes:
             _wait_daemonized(name, proc, cmd, log, timeout_s)
-        while not ready():
+        while not ready(rec):
             if not daemonizes and proc.poll() is not None:
                 raise ServicesError(
                     f"{name} exited with code {proc.returncode} while starting; see {log}:\n{_tail(log)}"

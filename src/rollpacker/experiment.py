@@ -39,11 +39,12 @@ from rollpacker.core.config import (
     ExperimentConfig,
     RolloutConfig,
     apply_overrides,
+    arm_config,
     config_from_text,
     load_config,
     resolve_config,
 )
-from rollpacker.core.errors import ConfigError, RollpackerError
+from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.logs import console
@@ -54,7 +55,7 @@ from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
 from rollpacker.store import open_store
 from rollpacker.store.state_store import StateStore
-from rollpacker.tasks.models import prepare_model
+from rollpacker.tasks.models import check_model, prepare_model
 from rollpacker.tracking import ExperimentTracker, compare, log_compare
 
 
@@ -117,6 +118,7 @@ def run_experiment(
     for a in chosen:
         if a not in cfg.arm_names:
             raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
+        check_model(arm_config(text, a))  # before the services, the store and any warm-up
     started: Any = None
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
@@ -262,12 +264,15 @@ def train_config(
         run_name or base.run_name or f"{policy}{'-one-off' if base.rollout.one_off else ''}-seed{base.seed}"
     )
     data["arms"] = [{"name": name.lower().replace(".", "-"), "policy": policy}]
+    root = Path(base.out_dir).resolve() / "store"
     if "store" not in data:
-        root = Path(base.out_dir).resolve() / "store"
-        root.mkdir(parents=True, exist_ok=True)
         data["store"] = {"endpoint": f"file://{root}"}
     text = yaml.safe_dump(data, sort_keys=False)
-    return text, config_from_text(text, where=f"{config_path} (as one training arm)")
+    cfg = config_from_text(text, where=f"{config_path} (as one training arm)")
+    check_model(cfg)  # the model-dependent checks, before any warm-up, engine or store work
+    if cfg.store.endpoint == f"file://{root}":
+        root.mkdir(parents=True, exist_ok=True)  # only for a config that passed every check
+    return text, cfg
 
 
 def _policy_of(config_path: Path, overrides: dict[str, Any]) -> str:
@@ -332,15 +337,24 @@ def _check_rerun(
 ) -> None:
     """An arm that ran before goes on only as asked: its committed state with ``resume``; its MLflow
     run (one per arm: a new run would log into it) only when that run committed no step, and then
-    saying so. Otherwise a ConfigError says what is there and what to pass."""
+    saying so. An arm whose earlier start committed no step (it failed in its first step: only the
+    initial state, step -1, is there) just starts over. Otherwise a ConfigError says what is there
+    and what to pass."""
     arm, where = states.arm, f"experiment {states.experiment!r}"
     latest = states.latest()
     if latest is not None:
         if resume:
             return
+        if latest.step < 0:  # an earlier start failed before its first commit: nothing to keep
+            deleted = states.reset()
+            run = tracker.find_arm_run(arm)
+            if run is not None:
+                tracker.client.delete_run(run)
+            say(f"[{arm}] an earlier start committed no step: starting over (deleted {deleted} objects)")
+            return
         n = latest.step + 1
         done = f"committed {n} step(s)" if n else "started (no step committed yet)"
-        raise ConfigError(
+        raise RunExistsError(
             f"arm {arm!r} of {where} already {done} in {states.store.uri(states.prefix)} (MLflow run "
             f"{latest.mlflow_run_id}): pass --resume to continue it or --fresh to start it over"
         )
@@ -351,7 +365,7 @@ def _check_rerun(
     if pointer is None:
         say(f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step")
         return
-    raise ConfigError(
+    raise RunExistsError(
         f"arm {arm!r} of {where} has MLflow run {run} (tracking_uri = "
         f"{redact_uri(tracker.tracking_uri)!r}) with "
         f"{pointer[1] + 1} committed step(s), but their state ({pointer[0]}) is not in this store "

@@ -31,9 +31,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from rollpacker.core.config import ArmSchedule
+from rollpacker.core.config import ArmSchedule, arm_config
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.placement import declared_capacity, plan_placement
+from rollpacker.tasks.models import check_model
 
 DEFAULT_PIPELINE = "rollpacker-rl-experiment"
 DEFAULT_SERVICE_ACCOUNT = "rollpacker-pipeline"  # manifests/base/rbac
@@ -184,6 +185,8 @@ def submit(
     """Compile, upload and run (see the module docstring); returns the ids and run URLs."""
     host = check_host(host)
     text, cfg = config_text(config, overrides)
+    for arm in cfg.arm_names:  # the model's shape against each arm's settings, when readable here
+        check_model(arm_config(text, arm), local=False, log=log)
     memory_preflight(cfg, log)
     steps = cfg.steps if steps is None else steps
     arms = _check_arms(arms or cfg.arm_names, cfg.arm_names, config)

@@ -89,16 +89,22 @@ def test_a_rerun_without_resume_never_logs_into_an_earlier_run_silently(tmp_path
         f"[{arm}] reusing MLflow run {run}: an earlier start of this arm made it and committed no step"
     ]
 
-    # ... and committed its initial state (step -1) first
+    # ... and committed its initial state (step -1) first, then failed in its first step (a refused
+    # setting, an engine that did not start): --resume goes on from it; a corrected re-run without
+    # flags just starts over (nothing was committed), deleting the initial state and the run
     states = StateStore(open_store(cfg.store), cfg.experiment, arm)
     states.init(ControllerState(cfg.experiment, arm, -1, 0, 0, 0, mlflow_run_id=run))
-    with pytest.raises(ConfigError, match=rf"started \(no step committed yet\).*{run}.*--resume.*--fresh"):
-        train_arm(text, progress=False)
     with pytest.raises(_Started):
         train_arm(text, progress=False, resume=True)
+    assert states.latest() is not None
+    said.clear()
+    with pytest.raises(_Started):
+        train_arm(text, progress=False, say=said.append)
+    assert len(said) == 1 and said[0].startswith(f"[{arm}] an earlier start committed no step: starting over")
+    assert states.latest() is None and tr.find_arm_run(arm) is None
+    first_run, run = run, tr.arm_run(arm, {"rollout.policy": "tail_batching"})
 
     # the run committed steps whose state is not in this store (another out_dir, a deleted store)
-    states.reset()
     tr.set_state_pointer(run, "file:///elsewhere/state/step-000004.json", 4)
     with pytest.raises(ConfigError, match=rf"{run}.*5 committed step\(s\).*elsewhere.*--resume.*--fresh"):
         train_arm(text, progress=False)
@@ -109,7 +115,8 @@ def test_a_rerun_without_resume_never_logs_into_an_earlier_run_silently(tmp_path
         train_arm(text, progress=False, fresh=True, say=said.append)
     assert said == [f"[{arm}] --fresh: deleted 0 objects and MLflow run {run}"]
     runs = tr.client.search_runs([tr.experiment_id], run_view_type=ViewType.ALL)
-    assert [r.info.run_id for r in runs] == [run]  # no second run: the new one is made by the first step
+    # no further run: the new one is made by the first step
+    assert sorted(r.info.run_id for r in runs) == sorted([first_run, run])
 
 
 @pytest.mark.slow
@@ -185,3 +192,40 @@ def test_mixed_task_routes_each_kind_and_keeps_anchors_in_the_state(tmp_path):
     assert all(t > 0 for _, t in last.timeout_anchors)
     kinds = {k for k in keys if k.startswith("reward/") and k.endswith("_mean")}
     assert {"reward/math_mean", "reward/code_mean", "reward/judge_mean"} <= kinds
+
+
+def test_a_run_with_committed_steps_names_the_exact_commands_and_both_work(tmp_path, monkeypatch):
+    """`rollpacker train` on a run with committed steps prints the command that continues it and
+    the one that starts it over; each of them gets past the check (to where training would start)."""
+    import dataclasses
+    import shlex
+
+    from rollpacker.cli import app
+    from rollpacker.core.state import ControllerState
+    from rollpacker.experiment import train_config
+    from rollpacker.store import open_store
+    from rollpacker.store.state_store import StateStore
+
+    f, base = _config(tmp_path)
+    sets = [a for k, v in base.items() for a in ("--set", f"{k}={v}")]
+    _, cfg = train_config(f, base)
+    (arm,) = cfg.arm_names
+    states = StateStore(open_store(cfg.store), cfg.experiment, arm)
+    first = ControllerState(cfg.experiment, arm, -1, 0, 0, 0, mlflow_run_id="r0")
+    states.init(first)
+    states.commit(dataclasses.replace(first, step=0, policy_version=1))
+
+    def started(*_a, **_k):
+        raise _Started
+
+    monkeypatch.setattr("rollpacker.experiment.prepare_model", started)
+    monkeypatch.setattr("rollpacker.experiment.StageContext.create", started)
+    res = CliRunner().invoke(app, ["train", "--config", str(f), *sets])
+    assert res.exit_code == 2 and "already committed 1 step(s)" in res.output, res.output
+    commands = dict(line.strip().split(":", 1) for line in res.output.splitlines() if line.startswith("  "))
+    assert set(commands) == {"continue it", "start it over"}, res.output
+    for what, flag in (("continue it", "--resume"), ("start it over", "--fresh")):
+        argv = shlex.split(commands[what])
+        assert argv[:2] == ["rollpacker", "train"] and argv[-1] == flag
+        assert isinstance(CliRunner().invoke(app, argv[1:]).exception, _Started), what  # past the check
+    assert states.latest() is None  # --fresh deleted the run's state

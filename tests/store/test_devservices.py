@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,9 +147,160 @@ def test_mlflow_and_ray_up_down(tmp_path: Path, foreign: subprocess.Popen[bytes]
         assert {"gcs_server", "raylet"} <= names  # the daemons `ray start` left behind are recorded
         again = devservices.up(root, **kw)  # type: ignore[arg-type]
         assert again.started == () and again.reused == ("seaweedfs", "mlflow", "ray")
+
+        # a head half killed (GCS alive, raylet dead: a client's ray.init hangs) is not reused
+        (raylet,) = [p for p in ray_pids if psutil.Process(p).name() == "raylet"]
+        psutil.Process(raylet).kill()
+        psutil.Process(raylet).wait(10)
+        (ray_status,) = [s for s in devservices.status(root) if s.name == "ray"]
+        assert ray_status.running and not ray_status.healthy
+        # a client refuses it at once, naming the command that fixes it (ray.init would hang)
+        probe = "from rollpacker.services.registry import connect_ray; connect_ray(sys.argv[1], 'x')"
+        client = subprocess.run(
+            [sys.executable, "-c", f"import sys; {probe}", svc.ray_address],
+            env={**os.environ, "ROLLPACKER_SERVICES_DIR": str(root)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert client.returncode != 0 and "lost its raylet" in client.stderr and "`make up`" in client.stderr
+        third = devservices.up(root, **kw)  # type: ignore[arg-type]
+        assert third.started == ("ray",) and third.reused == ("seaweedfs", "mlflow")
+        assert _alive(ray_pids) == []  # the half-dead head was stopped whole
+        statuses = {s.name: s for s in devservices.status(root)}
+        assert all(s.running and s.healthy for s in statuses.values())  # a client connects again
     finally:
         counts = devservices.down(root, grace_s=5)
     assert set(counts) == {"seaweedfs", "mlflow", "ray"}
     assert _alive([p for s in statuses.values() for p in s.pids]) == []
     assert _alive([foreign.pid]) == [foreign.pid]
     assert devservices.local_ray_address(root) == ""
+
+
+def test_unrecorded_leftovers_of_up_are_restarted(tmp_path: Path, foreign: subprocess.Popen[bytes]) -> None:
+    """A service `up` started here whose pid file is gone (an interrupted `up`, a deleted
+    ``pids/``) is stopped and started again, not refused as a stranger on its ports."""
+    ports = SeaweedPorts.free()
+    first = devservices.up(tmp_path, mlflow=False, ray=False, seaweed_ports=ports, timeout_s=30)
+    (st,) = [s for s in devservices.status(tmp_path) if s.name == "seaweedfs"]
+    (tmp_path / "pids" / "seaweedfs.json").unlink()
+    try:
+        again = devservices.up(tmp_path, mlflow=False, ray=False, seaweed_ports=ports, timeout_s=30)
+        assert again.started == ("seaweedfs",) and again.access_key == first.access_key
+        assert _alive(st.pids) == []
+        assert _alive([foreign.pid]) == [foreign.pid]
+    finally:
+        devservices.down(tmp_path, grace_s=5)
+        for pid in _alive(st.pids):  # on a failure: what this test started
+            psutil.Process(pid).kill()
+
+
+_HEALTH_ONLY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 500)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_mlflow_that_answers_health_but_not_its_api_is_not_healthy(tmp_path: Path) -> None:
+    """``/health`` answers while the tracking API fails (a broken backend store): not healthy."""
+    (port,) = devservices.free_ports(1)
+    proc = subprocess.Popen([sys.executable, "-c", _HEALTH_ONLY, str(port)], start_new_session=True)
+    try:
+        address = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            if devservices._http_ok(address + "/health"):
+                break
+            time.sleep(0.05)
+        (tmp_path / "pids").mkdir()
+        rec = {
+            "sid": proc.pid,
+            "leader_create_time": psutil.Process(proc.pid).create_time(),
+            "address": address,
+            "log": str(tmp_path / "mlflow.log"),
+        }
+        (tmp_path / "pids" / "mlflow.json").write_text(json.dumps(rec))
+        (st,) = [s for s in devservices.status(tmp_path) if s.name == "mlflow"]
+        assert st.running and not st.healthy
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _free_offset() -> int:
+    """A ``--port-offset`` whose SeaweedFS and Ray ports are all free now."""
+    import random
+
+    for _ in range(200):
+        off = random.randrange(100, 9000, 7)
+        sw, ray = SeaweedPorts().shifted(off), RayPorts().shifted(off)
+        fixed = [*dataclasses.astuple(sw), ray.gcs, ray.client_server, ray.dashboard_agent]
+        if max(fixed) < 65536 and not any(
+            devservices._port_open(h, p) for h in ("127.0.0.1", "127.0.0.2") for p in fixed
+        ):
+            return off
+    raise AssertionError("no free port offset")
+
+
+def _ours(root: Path) -> list[int]:
+    """Live processes an `up` under ``root`` started (their TMPDIR is under ``root/tmp``)."""
+    marker = str((root / "tmp").resolve())
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("TMPDIR", "").startswith(marker) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_an_up_interrupted_while_the_ray_head_starts_is_healed_by_the_next_up(
+    tmp_path: Path, sig: int
+) -> None:
+    """Ctrl-C (SIGINT) or SIGKILL of `rollpacker up` while `ray start` runs (what a new user does to
+    a silent start): the next `up` ends with every service working, and `down` leaves nothing."""
+    root = tmp_path / "svc"
+    off = _free_offset()
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollpacker.cli",
+        "up",
+        "--root",
+        str(root),
+        "--no-mlflow",
+        "--port-offset",
+        str(off),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (root / "logs" / "ray.log").exists():  # `ray start` is running
+            assert proc.poll() is None and time.monotonic() < deadline, "up ended before the Ray head started"
+            time.sleep(0.05)
+        time.sleep(2.0)  # its GCS server and raylet are starting
+        proc.send_signal(sig)
+        proc.wait(60)
+        kw = {"seaweed_ports": SeaweedPorts().shifted(off), "ray_ports": RayPorts().shifted(off)}
+        svc = devservices.up(root, mlflow=False, timeout_s=120, **kw)  # type: ignore[arg-type]
+        assert set(svc.started) | set(svc.reused) == {"seaweedfs", "ray"}
+        statuses = {s.name: s for s in devservices.status(root)}
+        assert statuses["seaweedfs"].healthy and statuses["ray"].healthy  # a client connects
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        devservices.down(root, grace_s=5)
+        left = _ours(root)
+        for pid in left:  # on a failure too: only what this test's `up`s started
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+    assert left == []  # nothing of either `up` is left running

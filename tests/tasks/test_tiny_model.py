@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 from rollpacker.tasks.tiny_model import TinyModelSpec, build_tiny_model, count_parameters
 
@@ -24,4 +25,6 @@ def test_build_is_deterministic_cached_and_loadable(tmp_path) -> None:
         assert tok.decode(tok(text)["input_ids"]) == text
     model = AutoModelForCausalLM.from_pretrained(str(a))
     assert model.config.model_type == "qwen2"
+    written = json.loads((a / "config.json").read_text())  # the shape the load-time checks read
+    assert {k: written[k] for k in SPEC.config_json()} == SPEC.config_json()
     assert not list(tmp_path.glob("a/models/*.tmp-*"))  # no half-written directory left

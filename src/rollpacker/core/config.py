@@ -287,8 +287,9 @@ ATTENTION_KINDS = ("unfused", "sdpa")
 class MegatronConfig:
     """The megatron-core backend's parallel layout (``train.backend: megatron``; docs/megatron.md):
     a gang of ``tp * pp * dp`` ranks, one Ray actor each. The model-dependent checks (TP dividing
-    the heads and KV heads, PP dividing the layers, the architecture) run when the gang is built,
-    against the model's ``config.json``, before any rank starts."""
+    the heads and KV heads, PP dividing the layers) run when the config is loaded for a command
+    (``core/model_fit.py``), and again with the architecture when the gang is built, against the
+    model's ``config.json``, before any rank starts."""
 
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size

@@ -11,6 +11,12 @@ class ConfigError(RollpackerError, ValueError):
     """A configuration value or key is invalid."""
 
 
+class RunExistsError(ConfigError):
+    """A new start of a run that already has committed steps: the message says what is there; the
+    command line adds the exact commands that continue it (``--resume``) and start it over
+    (``--fresh``)."""
+
+
 class TraceError(RollpackerError, ValueError):
     """A replay trace (or dataset line) is malformed or cannot serve the configured policy."""
 

@@ -47,7 +47,7 @@ from rollpacker.core.placement import (
 )
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
-from rollpacker.devservices import local_ray_address
+from rollpacker.devservices import local_ray_address, local_ray_head_broken
 from rollpacker.services.api import (
     Anchors,
     CommittedStep,
@@ -663,6 +663,12 @@ def connect_ray(address: str, namespace: str) -> None:
             "the local one with `make up`"
         )
     _probe(addr)
+    if local_ray_head_broken(addr):
+        raise ServiceError(
+            f"services.ray_address = {addr!r}: the local Ray head that `rollpacker up` started has lost its "
+            "raylet or GCS server (an interrupted run?) and would hang a client; `make up` stops and "
+            "restarts it"
+        )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     try:
         ray.init(

@@ -6,12 +6,14 @@ import dataclasses
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.memory import ModelShape
+from rollpacker.core.model_fit import model_refusals
 from rollpacker.core.tasks import TaskExample, split
 from rollpacker.core.types import Prompt
 from rollpacker.logs import console
@@ -58,11 +60,59 @@ def model_identity(cfg: ExperimentConfig) -> str:
         raise ConfigError(f"model: {e}") from e
 
 
+def model_shape(cfg: ExperimentConfig) -> tuple[ModelShape, int, str] | None:
+    """The shape of the model RL starts from, its ``max_position_embeddings`` and its name, without
+    building or loading it: ``model.model_dir``'s ``config.json``, or the tiny preset's spec (the
+    warm-up keeps its shape); None when ``model.model_dir`` is not readable on this machine."""
+    if cfg.model.model_dir:
+        f = Path(cfg.model.model_dir) / "config.json"
+        if not f.is_file():
+            return None
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"model.model_dir = {cfg.model.model_dir}: {f} is not readable JSON ({e})"
+            ) from e
+        shape = ModelShape.from_hf_config(data, str(f))
+        return shape, int(data.get("max_position_embeddings") or 2**31), str(f)
+    from rollpacker.tasks.tiny_model import PRESETS
+
+    spec = PRESETS.get(cfg.model.preset)
+    if spec is None:
+        raise ConfigError(f"model.preset = {cfg.model.preset!r}: use one of {sorted(PRESETS)}")
+    shape = ModelShape.from_hf_config(spec.config_json(), f"model.preset {cfg.model.preset!r}")
+    return shape, spec.max_position_embeddings, f"model.preset {cfg.model.preset!r}"
+
+
+def check_model(
+    cfg: ExperimentConfig, *, local: bool = True, log: Callable[[str], None] | None = None
+) -> None:
+    """Refuse, before any warm-up, engine, Ray or store work, every setting the model cannot take
+    (``core/model_fit.py``) and a warm-up that cannot run. ``local``: the model must be readable
+    here (``train``, ``run``, ``bench``); else (``submit``: the model is on the cluster's volume)
+    an unreadable ``model.model_dir`` is left to the pods' own checks, saying so to ``log``."""
+    if not cfg.model.model_dir and cfg.model.warmup_steps:
+        model_identity(cfg)  # the warm-up's spec is valid
+    found = model_shape(cfg)
+    if found is None:
+        where = f"model.model_dir = {cfg.model.model_dir}"
+        if local:
+            raise ConfigError(f"{where}: not a Hugging Face model directory here (no config.json)")
+        if log is not None:
+            log(f"model check: {where} is not readable here; the engine and the trainer check it there")
+        return
+    refusals = model_refusals(cfg, *found)
+    if refusals:
+        raise ConfigError("; ".join(refusals))
+
+
 def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
     """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached; unless
     ``quiet``, a bar while it trains or one line when it is cached, to ``logs.console()``)."""
     from rollpacker.tasks.warmup import cached_warm_up, warm_up
 
+    check_model(cfg)  # nothing is built for a config the model cannot take
     if cfg.model.model_dir:
         p = Path(cfg.model.model_dir)
         if not (p / "config.json").is_file():

@@ -42,6 +42,20 @@ class TinyModelSpec:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    def config_json(self) -> dict[str, int | bool]:
+        """The shape keys of the ``config.json`` ``build_model`` writes (vocabulary padded to 64)."""
+        return {
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": -(-len(vocab()) // 64) * 64,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": True,
+        }
+
     def key(self) -> str:
         blob = json.dumps({"v": BUILDER_VERSION, **asdict(self)}, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
@@ -108,19 +122,9 @@ def build_model(spec: TinyModelSpec, out_dir: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    n_vocab = len(vocab())
-    padded_vocab = ((n_vocab + 63) // 64) * 64
     eos_id = vocab()["<|endoftext|>"]
     cfg = Qwen2Config(
-        vocab_size=padded_vocab,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=True,
+        **spec.config_json(),  # the shape the load-time checks read without building (tasks/models.py)
         rope_theta=10000.0,
         bos_token_id=eos_id,
         eos_token_id=eos_id,

@@ -40,6 +40,7 @@ import torch
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.memory import ModelShape
+from rollpacker.core.model_fit import split_refusal
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM",)
 
@@ -110,20 +111,11 @@ class Qwen2Layout:
         return cls.from_config(json.loads(f.read_text()), where=str(model_dir))
 
     def check_parallel(self, tp: int, pp: int, where: str = "train.megatron") -> None:
-        """Refuse, by name, a TP/PP layout this model cannot be split into."""
-        if self.num_heads % tp:
-            raise ConfigError(
-                f"{where}.tp = {tp} does not divide the model's {self.num_heads} attention heads"
-            )
-        if self.num_kv_heads % tp:
-            raise ConfigError(
-                f"{where}.tp = {tp} does not divide the model's {self.num_kv_heads} KV heads (grouped-query "
-                "attention: each TP rank needs whole KV groups)"
-            )
-        if pp > self.num_layers:
-            raise ConfigError(f"{where}.pp = {pp} is larger than the model's {self.num_layers} layers")
-        if self.num_layers % pp:
-            raise ConfigError(f"{where}.pp = {pp} does not divide the model's {self.num_layers} layers")
+        """Refuse, by name, a TP/PP layout this model cannot be split into (the rule the config's
+        load-time check applies too: ``core/model_fit.py``)."""
+        why = split_refusal(self.shape, tp, pp, where)
+        if why:
+            raise ConfigError(why)
 
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab_size // tp) * tp
