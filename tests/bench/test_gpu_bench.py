@@ -78,6 +78,47 @@ def test_a_failed_skipped_or_overdue_phase_does_not_stop_the_next_and_the_json_f
     assert got["status"] == "failed"  # a package that is not optional is a bug, not a skip
 
 
+def test_the_phase_budgets_fill_the_deadline_in_the_order_of_value() -> None:
+    for tiny in (False, True):
+        plan = runner.phases(tiny)
+        assert [n for n, _, _ in plan] == list(PHASES)
+        assert sum(share for *_, share in plan) == pytest.approx(1.0)
+
+
+class _FakeTimer:
+    """The measurement engine's edge: a step costs 1 us per request plus 1 ns per cached token."""
+
+    window = 4
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def decode_s(self, batch: int, context: int) -> float:
+        self.calls.append((batch, context))
+        return 1e-6 * batch + 1e-9 * batch * context
+
+    def prefill_s(self, rows: int, context: int) -> float:
+        return 1e-5 * rows * context
+
+
+def test_the_sweep_goes_context_by_context_skips_what_does_not_fit_and_stops_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    from rollpacker.bench.gpu.decode import sweep, tiny_model_spec
+
+    spec = tiny_model_spec()  # 512 KV bytes per token: batch 8192 at 1024 tokens needs > 4 GiB
+    ctx = Context(out=tmp_path, tiny=True, device="cpu", deadline_at=time.perf_counter() + 60)
+    timer = _FakeTimer()
+    points, notes = sweep(ctx, timer, spec, (1, 4, 8192), (16, 1024))  # type: ignore[arg-type]
+    assert timer.calls == [(1, 16), (4, 16), (8192, 16), (1, 1024), (4, 1024)]
+    assert [(p.batch, p.context) for p in points] == timer.calls
+    assert notes == ["B=8192 L=1024: its KV (4.0 GiB) does not fit; not measured"]
+    assert points[1].prefill_s == pytest.approx(4 * 1e-5 * 16)  # n rows measured, linear in between
+    ctx.deadline_at = time.perf_counter() + 4  # less than the next point's guard (5 s + 3 steps)
+    points, notes = sweep(ctx, _FakeTimer(), spec, (1, 4), (16, 64))  # type: ignore[arg-type]
+    assert points == [] and notes == ["B=1 L=16 and after: not measured (the phase's deadline)"]
+
+
 def _linear_points(batches: tuple[int, ...], contexts: tuple[int, ...]) -> tuple[ProfilePoint, ...]:
     return tuple(
         ProfilePoint(b, c, b * c, 1e-3 * b, 0.01 + 1e-4 * b + 2e-8 * b * c) for c in contexts for b in batches

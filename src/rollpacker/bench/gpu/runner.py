@@ -41,12 +41,12 @@ def phases(tiny: bool = False) -> list[tuple[str, PhaseFn, float]]:
 
     fns: list[tuple[str, PhaseFn, float, float]] = [
         ("probe", probe.run, 0.05, 0.06),
-        ("profile", decode.run, 0.38, 0.17),
-        ("policies", analysis.policies, 0.09, 0.06),
+        ("profile", decode.run, 0.30, 0.17),
+        ("policies", analysis.policies, 0.16, 0.06),
         ("predictor", analysis.predictor, 0.02, 0.02),
         ("trainer", checks.trainer, 0.12, 0.17),
         ("megatron", checks.megatron, 0.17, 0.35),
-        ("judge", checks.judge, 0.17, 0.17),
+        ("judge", checks.judge, 0.18, 0.17),
     ]
     return [(n, f, tiny_share if tiny else share) for n, f, share, tiny_share in fns]
 
