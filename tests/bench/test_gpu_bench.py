@@ -24,6 +24,7 @@ from rollpacker.bench.gpu.context import Context, Skip
 from rollpacker.bench.gpu.probe import matched_spec
 from rollpacker.bench.whatif.specfiles import deployments, load_hardware, load_model
 from rollpacker.core.costmodel import RooflineCost
+from rollpacker.core.errors import RollpackerError
 from rollpacker.core.latency import Layout, LayoutProfile, Predictor, ProfilePoint, ProfileTable
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -76,6 +77,9 @@ def test_a_failed_skipped_or_overdue_phase_does_not_stop_the_next_and_the_json_f
     _fake_phases(monkeypatch, [("m", no_megatron)])
     got = runner.run_bench(tmp_path, tiny=True, deadline_s=4.0)["phases"]["m"]
     assert got["status"] == "failed"  # a package that is not optional is a bug, not a skip
+    # the full run needs a GPU: no quiet fallback to the CPU (this machine has none)
+    with pytest.raises(RollpackerError, match=r"no GPU visible to torch.*--tiny"):
+        runner.run_bench(tmp_path, tiny=False, deadline_s=4.0)
 
 
 def test_the_phase_budgets_fill_the_deadline_in_the_order_of_value() -> None:
