@@ -18,6 +18,7 @@ rollpacker profile --config experiment                     # layouts x batch x c
 rollpacker bench planner --profile build/profile.json      # fixed layouts vs planner vs PAT switching
 rollpacker submit --host http://localhost:8888             # compile, upload to KFP, one run per arm
 rollpacker whatif --hardware h800 --model qwen2.5-7b --tp 4 # predicted speedups on your GPUs (simulated)
+rollpacker bench gpu --out build/gpu [--tiny]              # measure the GPU claims on one GPU (CPU: --tiny)
 
 ``--config`` takes a YAML file or a shipped config by name (``rollpacker config list``), from any
 directory. An expected failure (a bad input, a path that cannot be written, a service that does not
@@ -1130,6 +1131,40 @@ def bench_whatif_papers(
         return
     typer.echo(render_papers(report))
     typer.echo(f"wrote {out}")
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    out: Annotated[Path, typer.Option(help="Directory for bench-gpu.json, profile.json and the models.")],
+    tiny: Annotated[bool, typer.Option(help="Tiny models on the CPU: the dry run of every phase.")] = False,
+    deadline_s: Annotated[
+        float, typer.Option(help="The whole run's budget in seconds (0 = 300, or 175 with --tiny).")
+    ] = 0.0,
+    only: Annotated[str, typer.Option(help="Comma list of phases to run, or all.")] = "all",
+) -> None:
+    """Measure on one GPU what rollpacker claims for GPUs: probe, decode profile of a 7B-shaped model,
+    the policies priced by it, the predictor's error, trainer / megatron / judge on CUDA
+    (docs/benchmarks.md). The same as `python -m rollpacker.bench.gpu` (Python 3.12, no install)."""
+    from rollpacker.bench.gpu.runner import main
+
+    args = ["--out", str(out), *(["--tiny"] if tiny else []), "--only", "" if only == "all" else only]
+    code = main(args + (["--deadline-s", str(deadline_s)] if deadline_s else []))
+    if code:
+        raise typer.Exit(code=code)
+
+
+@bench_app.command("gpu-calibrate")
+def bench_gpu_calibrate(
+    result: Annotated[Path, typer.Argument(help="The bench-gpu.json of `rollpacker bench gpu`.")],
+    out: Annotated[Path, typer.Option(help="Directory for the calibrated spec file(s).")],
+) -> None:
+    """Fit the what-if roofline's efficiencies and step overhead to a `bench gpu` profile: a hardware
+    spec for `whatif --hardware`, with the roofline's error per batch size before and after."""
+    from rollpacker.bench.gpu.runner import main
+
+    code = main(["calibrate", str(result), "--out", str(out)])
+    if code:
+        raise typer.Exit(code=code)
 
 
 @app.command("compare")
