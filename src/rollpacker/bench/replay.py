@@ -75,9 +75,10 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.bench.tables import legend, wrap
+from rollpacker.bench.throughput import throughput_table
 from rollpacker.core.config import EngineConfig, PolicyName, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import ConfigError, PolicyError, RollpackerError
-from rollpacker.core.metrics import RolloutMetrics, bubble_ratio, percentile
+from rollpacker.core.metrics import RolloutMetrics, bubble_ratio, percentile, throughput
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
 from rollpacker.core.policies.partial import PartialPolicy
 from rollpacker.core.policies.sorted import SortedPolicy
@@ -587,15 +588,19 @@ class PolicyRun:
         trained = sum(self.step_trained_tokens)
         lag = sum(m.policy_lag * t for m, t in zip(self.steps, self.step_trained_tokens, strict=True))
         off = sum(m.off_policy_frac * t for m, t in zip(self.steps, self.step_trained_tokens, strict=True))
+        generated, wasted = (
+            sum(m.tokens_generated for m in self.steps),
+            sum(m.tokens_wasted for m in self.steps),
+        )
         return {
             "steps": n,
             "short_rounds": kinds.count(RoundKind.SHORT.value),
             "long_rounds": kinds.count(RoundKind.LONG.value),
             "rollout_time_s": time_s,
             "rollout_s_per_step": time_s / n if n else 0.0,
-            "tokens_generated": sum(m.tokens_generated for m in self.steps),
+            "tokens_generated": generated,
             "tokens_useful": useful,
-            "tokens_wasted": sum(m.tokens_wasted for m in self.steps),
+            "tokens_wasted": wasted,
             "tokens_cached": cached,
             "tokens_trained": trained,
             "tokens_resumed": self.resumed_tokens,
@@ -605,6 +610,7 @@ class PolicyRun:
             "aborted_requests": sum(m.aborted_requests for m in self.steps),
             "preemptions": sum(m.preemptions for m in self.steps),
             "bubble_ratio": bubble_ratio(self.engine_steps, time_s, concurrency),
+            **throughput(generated, trained, wasted, time_s, n).as_dict(),
             "efficiency": ((trained / saturated_tps) / time_s if time_s > 0 and saturated_tps > 0 else 0.0),
             "policy_lag": lag / trained if trained else 0.0,
             "policy_lag_max": max((m.policy_lag_max for m in self.steps), default=0),
@@ -1015,6 +1021,10 @@ def render_table(report: dict[str, Any]) -> str:
     lines += _trace_and_scaling_lines(report)
     lines += ["", *_time_table_lines(report["policies"])]
     lines += ["", *_token_table_lines(report["policies"])]
+    lines += [
+        "",
+        *throughput_table(report["policies"], f"throughput per arm (Q = {report['config']['concurrency']}):"),
+    ]
     lines += _tail_batching_lines(report["policies"]["tail_batching"])
     lines += _scaledown_lines(report)
     lines += _sortedrl_lines(report)
