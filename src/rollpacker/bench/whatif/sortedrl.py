@@ -28,7 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rollpacker.bench.replay import SORTEDRL_PAPER_BUBBLE, PolicyRun, replay_sampling, run_policy
+from rollpacker.bench.replay import (
+    SORTEDRL_PAPER_BUBBLE,
+    PolicyRun,
+    bubble_before_drain,
+    replay_sampling,
+    run_policy,
+)
 from rollpacker.bench.whatif.engine import SimEngine
 from rollpacker.bench.whatif.specfiles import deployments
 from rollpacker.bench.whatif.traces import PAPER_PRESETS
@@ -136,17 +142,10 @@ def _row(ran: tuple[PolicyRun, int], case: SortedRLCase) -> dict[str, Any]:
     run, q = ran
     s = run.summary(q, 0.0)  # no saturated throughput measured: efficiency is not reported here
     row = {k: s[k] for k in ROW_KEYS}
-    row["bubble_ratio_before_drain"] = _before_drain(run, case.group_size) if "sorted" in run.policy else None
+    row["bubble_ratio_before_drain"] = (
+        bubble_before_drain(run, case.group_size) if "sorted" in run.policy else None
+    )
     return row
-
-
-def _before_drain(run: PolicyRun, group_size: int) -> float:
-    """Eq. 4 over a sorted arm's rounds except each group's last (the one round that only drains:
-    it holds the group's last ``P0`` prompts and no more work): the share of the bubble that the
-    group's drain accounts for. Each round's eq. 4 weighs by its seconds (Q is the same)."""
-    kept = [m for i, m in enumerate(run.steps) if i % group_size != group_size - 1]
-    t = sum(m.time_s for m in kept)
-    return sum(m.bubble_ratio * m.time_s for m in kept) / t if t > 0 else 0.0
 
 
 def checks(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
