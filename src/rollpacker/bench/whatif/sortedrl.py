@@ -39,6 +39,7 @@ from rollpacker.bench.whatif.engine import SimEngine
 from rollpacker.bench.whatif.specfiles import deployments
 from rollpacker.bench.whatif.traces import PAPER_PRESETS
 from rollpacker.core.config import PolicyName, RolloutConfig, SortedConfig, SortedMode
+from rollpacker.core.config import _positive_int as positive_int
 from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.sorted import SortedPolicy
 from rollpacker.core.policies.sync import SyncPolicy
@@ -79,6 +80,10 @@ class SortedRLCase:
     tp: int = 4
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("q", "groups", "batch", "group_size", "max_tokens", "tp"):
+            positive_int(f"sortedrl.{name}", getattr(self, name))
+
 
 def _rollout(case: SortedRLCase, policy: PolicyName, p0: int, mode: SortedMode) -> RolloutConfig:
     return RolloutConfig(
@@ -112,10 +117,10 @@ def run_case(case: SortedRLCase) -> dict[str, dict[str, Any]]:
     arms: dict[str, tuple[RolloutPolicy, int]] = {
         "sync": (
             SyncPolicy(_rollout(case, PolicyName.SYNC, case.batch, SortedMode.ON_POLICY), cursor(), sampling),
-            4,
+            case.group_size,
         ),
-        "sorted": (sorted_arm(SortedMode.ON_POLICY), 4),
-        "sorted_partial": (sorted_arm(SortedMode.PARTIAL), 4),
+        "sorted": (sorted_arm(SortedMode.ON_POLICY), case.group_size),
+        "sorted_partial": (sorted_arm(SortedMode.PARTIAL), case.group_size),
         "sync_512": (
             SyncPolicy(_rollout(case, PolicyName.SYNC, group, SortedMode.ON_POLICY), cursor(), sampling),
             1,
