@@ -1115,16 +1115,21 @@ def bench_whatif(
 def bench_whatif_papers(
     seed: Annotated[int, typer.Option(help="Seed of the paper-like traces.")] = 0,
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/whatif-papers.json"),
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Run one part only: rollpacker (RollPacker's cases) or sortedrl (SortedRL 4.4.1)."),
+    ] = None,
 ) -> None:
     """The what-if simulator on paper-like workloads (H800, Qwen2.5-7B/14B/32B, P0=128, R0=8,
-    8k/16k/32k) beside RollPacker's and SortedRL's reported figures; prints a Markdown table."""
-    from rollpacker.bench.whatif.papers import render_papers, run_papers
+    8k/16k/32k; SortedRL's 32B experiment on H100 with its sensitivity runs) beside RollPacker's
+    and SortedRL's reported figures; prints Markdown tables."""
+    from rollpacker.bench.whatif.papers import PARTS, render_papers, run_papers
     from rollpacker.bench.whatif.run import write_json
     from rollpacker.core.paths import writable_file
 
     try:
         out = writable_file(out)
-        report = run_papers(lambda s: typer.echo(f"[whatif] {s}", err=True), seed)
+        report = run_papers(lambda s: typer.echo(f"[whatif] {s}", err=True), seed, tuple(only or PARTS))
         write_json(report, out)
     except (RollpackerError, OSError) as e:
         _fail(e)

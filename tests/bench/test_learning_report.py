@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from rollpacker.bench.learning import ARMS, _aggregate, _band, criteria, log_to_mlflow, plot, render
+from rollpacker.bench.learning import (
+    ARMS,
+    _aggregate,
+    _arm_record,
+    _band,
+    criteria,
+    log_to_mlflow,
+    plot,
+    render,
+)
+from rollpacker.core.accounting import PromptAccount
 from rollpacker.core.config import load_config, resolve_config
+from rollpacker.experiment import TrainSummary
 
 
 @pytest.mark.parametrize("arm", sorted(ARMS))
@@ -60,6 +71,21 @@ def test_criteria_are_issue_22s_bar() -> None:
     assert criteria(flat)["control_gains_under_3_points"] is False
     assert criteria(flat)["sync_gains_15_points"] is False
     assert "pass  sync_gains_15_points" in render(rep)
+
+
+def test_each_run_reports_the_off_policy_lag_of_its_trained_tokens() -> None:
+    """SortedRL's partial mode trains older tokens: the report says how many and how old."""
+    steps = ({"train/policy_lag": 0.5, "train/off_policy_frac": 0.2}, {"train/policy_lag": 1.5})
+    once = PromptAccount(prompts_trained=16, trained_twice=(), deferred_total=0, deferred_lost=(), waiting=0)
+    s = TrainSummary(
+        "sorted_partial", "r1", 2, 2, 64, ((0, 0.3), (2, 0.4)), 9.0, "file://x", "sqlite://", once, steps
+    )
+    rec = _arm_record("sorted_partial", 0, s)
+    assert rec["policy_lag_mean"] == pytest.approx(1.0) and rec["off_policy_frac_mean"] == pytest.approx(0.1)
+    agg = _aggregate([rec, {**rec, "policy_lag_mean": 0.0, "off_policy_frac_mean": 0.0}])
+    assert agg["policy_lag_mean"] == pytest.approx(0.5) and agg["off_policy_frac_mean"] == pytest.approx(0.05)
+    rep = {"runs": [rec], "per_arm": {"sorted_partial": agg}}
+    assert "lag 0.50, off-policy 5%" in render(rep)
 
 
 def test_band_is_mean_min_max_over_seeds_at_common_steps() -> None:

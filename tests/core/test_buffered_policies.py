@@ -332,3 +332,35 @@ def test_the_stored_buffer_round_trips_and_a_foreign_document_is_refused() -> No
         buffer_from_json('{"entries": [], "extra": 1}', "s3://b/x.json")
     with pytest.raises(PolicyError, match=r"s3://b/x\.json: not JSON"):
         buffer_from_json("{", "s3://b/x.json")
+
+
+@pytest.mark.parametrize("mode", list(SortedMode))
+def test_sorted_keeps_the_engine_at_its_running_capacity_while_the_buffer_holds_more(mode) -> None:
+    """Oversubscription (SortedRL section 3.1): with the engine's running capacity Q below the
+    group's requests, every engine step of every round runs Q requests as long as the buffer still
+    owes at least Q unfinished requests (and all it owes once it owes fewer): nothing is held back
+    until a batch drains."""
+    p0, r0, n, q = 4, 2, 4, 12  # a group is 32 requests, Q = 12
+    lens = [[(7 * i + 3 * j) % 29 + 2 for j in range(r0)] for i in range(48)]
+    cfg = _cfg(p0, r0, policy="sorted", sorted=SortedConfig(mode=mode, group_size=n))
+    pol = _sorted(cfg, make_prompts(lens))
+    engine = FakeEngine(concurrency=q)
+    oversubscribed = 0
+    for step in range(2 * n):
+        plan = pol.plan_step(step)
+        cached = {e.prompt_id: len(e.finished) for e in pol.buffer}
+        owed = sum(r0 - cached.get(p.prompt_id, 0) for p in plan.prompts)  # unfinished requests
+        under: list[tuple[int, int]] = []
+        done = [0]  # requests finished before the engine step being checked
+
+        def on_step(stats, completed, owed=owed, under=under, done=done) -> None:
+            want = min(q, owed - done[0])
+            if stats.num_running != want:
+                under.append((stats.num_running, want))
+            done[0] = completed
+
+        rr = run_round(engine, pol.open_round(plan), policy_version=step, on_step=on_step)
+        pol.commit(rr.result)
+        assert not under, f"step {step}: engine under-filled (running, wanted) {under[:5]}"
+        oversubscribed += owed > q
+    assert oversubscribed >= n  # most rounds of the two groups launch more than Q requests

@@ -242,6 +242,32 @@ def test_compare_shows_the_off_policy_lag_of_each_arm(uri, request) -> None:
     assert "train/policy_lag mean" in table and "1.000" in table
 
 
+def test_compare_shows_both_throughputs_of_each_arm_side_by_side(uri, request) -> None:
+    """Output tokens/s counts every generated token (SortedRL's), trained tokens/s the trained ones."""
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    _fill_arm(tr, "sync", step_s=10.0, rollout_s=8.0)
+    srt = _fill_arm(tr, "sorted", step_s=6.0, rollout_s=4.0)
+    for step in range(4):
+        tr.log_step(
+            srt,
+            step,
+            {
+                "rollout/tokens_generated": 1000.0,
+                "rollout/tokens_trained": 600.0,
+                "rollout/tokens_wasted": 400.0,
+            },
+        )
+    r = compare(uri, exp)
+    s = r.arm("sorted")
+    assert s.output_tokens_per_s == pytest.approx(250.0) and s.trained_tokens_per_s == pytest.approx(150.0)
+    assert s.wasted_share == pytest.approx(0.4)
+    assert r.arm("sync").output_tokens_per_s is None  # no token counts logged: "-", never 0
+    table = r.render()
+    assert "rollout output tokens/s (all)" in table and "rollout trained tokens/s" in table
+    assert "250.0" in table and "150.0" in table and "40.0%" in table
+
+
 def test_compare_says_when_the_arms_ran_different_numbers_of_steps(uri, request) -> None:
     exp = _exp(request)
     tr = ExperimentTracker(uri, exp)

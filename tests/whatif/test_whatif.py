@@ -10,6 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from rollpacker.bench.whatif.report import render
 from rollpacker.bench.whatif.run import WhatIfConfig, cell_periods, recommend, whatif
 from rollpacker.bench.whatif.specfiles import HARDWARE_DIR, deployments
 from rollpacker.bench.whatif.traces import load, records_from_step_lengths, widen
@@ -51,6 +52,14 @@ def test_every_policy_is_compared_on_every_deployment() -> None:
         assert rows["tail_batching"]["tokens_wasted"] > 0
         for r in rows.values():
             assert r["rollout_s_per_step"] > 0 and 0.0 <= r["bubble_ratio"] <= 1.0
+            # both throughputs: every generated token (SortedRL's) and the trained ones (ours)
+            assert r["output_tokens_per_s"] >= r["trained_tokens_per_s"] > 0
+            assert r["s_per_trained_step"] == r["rollout_s_per_step"]
+        on = rows["sorted"]  # it regenerates what it terminates: the two differ by what it wasted
+        assert on["wasted_share"] > 0 and on["output_tokens_per_s"] > on["trained_tokens_per_s"]
+    text = render(rep)
+    assert text.count("out tok/s (all)") >= len(rep["policies"]) and "trained tok/s" in text
+    assert max(len(line) for line in text.splitlines()) <= 120
 
 
 def test_the_recommendation_is_the_best_cell_at_its_tp_and_p0() -> None:

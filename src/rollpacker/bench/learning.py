@@ -136,6 +136,9 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
         "rollout_s": sum(m.get("rollout/time_s", 0.0) for m in s.step_metrics),
         "step_s_mean": statistics.fmean(m.get("step/time_s", 0.0) for m in s.step_metrics),
         "reward_curve": [m.get("reward/mean", float("nan")) for m in s.step_metrics],
+        # the off-policy degree of the trained tokens, step means over the run (0 when on-policy)
+        "policy_lag_mean": _step_mean(s, "train/policy_lag"),
+        "off_policy_frac_mean": _step_mean(s, "train/off_policy_frac"),
         "exactly_once": {
             "ok": once.ok,
             "prompts_trained": once.prompts_trained,
@@ -145,6 +148,10 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
             "waiting": once.waiting,
         },
     }
+
+
+def _step_mean(s: TrainSummary, key: str) -> float:
+    return statistics.fmean(m.get(key, 0.0) for m in s.step_metrics) if s.step_metrics else 0.0
 
 
 def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -159,6 +166,8 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "wall_s_mean": statistics.fmean(r["wall_s"] for r in runs),
         "rollout_s_mean": statistics.fmean(r["rollout_s"] for r in runs),
         "trained_samples": runs[0]["trained_samples"],
+        "policy_lag_mean": statistics.fmean(r.get("policy_lag_mean", 0.0) for r in runs),
+        "off_policy_frac_mean": statistics.fmean(r.get("off_policy_frac_mean", 0.0) for r in runs),
         "exactly_once_ok": all(r["exactly_once"]["ok"] for r in runs),
     }
 
@@ -169,6 +178,8 @@ _LEGEND = (
     ("wall s", "the run's wall-clock seconds"),
     ("rollout s", "the run's seconds in rollout"),
     ("once", "every prompt trained exactly once (yes / NO), prompts trained and still waiting"),
+    ("lag", "policy lag of the trained tokens (updates behind the trained weights), mean over steps"),
+    ("off-policy", "the share of trained tokens sampled by an older policy, mean over steps"),
 )
 
 
@@ -192,7 +203,8 @@ def render(report: dict[str, Any]) -> str:
         lines += wrap(
             f"{arm:<15} val {p['val_accuracy_start_mean']:.3f} -> {p['val_accuracy_end_mean']:.3f} "
             f"(sd {p['val_accuracy_end_sd']:.3f}, {p['gain_points_mean']:+.1f} points), "
-            f"{p['trained_samples']} samples, "
+            f"{p['trained_samples']} samples, lag {p['policy_lag_mean']:.2f}, "
+            f"off-policy {p['off_policy_frac_mean']:.0%}, "
             f"{p['wall_s_mean']:.0f} s/run" + (f", {vs:+.1f} points vs sync" if vs is not None else "")
         )
     for name, ok in report.get("criteria", {}).items():

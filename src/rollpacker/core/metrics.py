@@ -10,6 +10,13 @@ Invariants:
 - ``tokens_generated == tokens_useful + tokens_wasted + tokens_cached``;
 - ``policy_lag`` is 0 for a round that trains only tokens sampled by the weights it trains from.
 
+Two throughputs, never one for the other (``Throughput``): **output tokens/s** counts every token
+the engine generated (terminated, scavenged and cached ones included), as SortedRL's section 4.4.1
+measures its engine; **trained tokens/s** counts only the tokens of the responses an update trains
+(resumed tokens included), with **seconds per trained step**, as rollpacker's speedups do. A policy
+that regenerates what it terminates raises the first and not the second; ``wasted_share`` says by
+how much.
+
 Off-policy degree (``policy_lag``): the token-weighted mean of ``v_train - v_token`` over the trained
 response tokens, where ``v_token`` is the policy version that sampled the token (resumed tokens keep
 theirs) and ``v_train`` the version of the weights the update is computed from.
@@ -77,6 +84,7 @@ class RolloutMetrics:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_s: float = 0.0  # seconds spent drafting
+    tokens_trained: int = 0  # tokens of the trained responses, resumed ones included
 
     @property
     def spec_acceptance(self) -> float:
@@ -96,6 +104,7 @@ class RolloutMetrics:
             "rollout/mean_response_len": self.response_len_mean,
             "rollout/tokens_generated": float(self.tokens_generated),
             "rollout/tokens_wasted": float(self.tokens_wasted),
+            "rollout/tokens_trained": float(self.tokens_trained),
             "rollout/aborted": float(self.aborted_requests),
             "rollout/preemptions": float(self.preemptions),
             "rollout/round_kind": float(ROUND_CODE.get(self.round_kind, -1)),
@@ -111,6 +120,36 @@ class RolloutMetrics:
             ),
             "rollout/spec_draft_s": self.spec_draft_s,
         }
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A rollout's two throughputs side by side (see the module docstring): they are different
+    measurements and are named so that neither is read as the other."""
+
+    output_tokens_per_s: float  # every generated token / rollout seconds (SortedRL's figure)
+    trained_tokens_per_s: float  # tokens of the trained responses / rollout seconds (rollpacker's)
+    s_per_trained_step: float  # rollout seconds per trained step
+    wasted_share: float  # tokens generated then thrown away, share of all generated
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def throughput(generated: int, trained: int, wasted: int, time_s: float, steps: int) -> Throughput:
+    """The throughputs of ``steps`` trained steps that took ``time_s`` rollout seconds."""
+    if min(generated, trained, wasted, steps) < 0 or time_s < 0 or wasted > generated:
+        raise ValueError(
+            f"throughput of {generated} generated, {trained} trained, {wasted} wasted tokens in "
+            f"{steps} steps and {time_s} s: counts must be >= 0 and wasted <= generated"
+        )
+    per_s = 1.0 / time_s if time_s > 0 else 0.0
+    return Throughput(
+        output_tokens_per_s=generated * per_s,
+        trained_tokens_per_s=trained * per_s,
+        s_per_trained_step=time_s / steps if steps else 0.0,
+        wasted_share=wasted / generated if generated else 0.0,
+    )
 
 
 ROUND_CODE = {"standard": 0, "short": 1, "long": 2, "sorted": 3, "partial": 4}
@@ -200,4 +239,5 @@ def rollout_metrics(
         spec_draft_tokens=sum(s.spec_draft_tokens for s in steps),
         spec_accepted_tokens=sum(s.spec_accepted_tokens for s in steps),
         spec_draft_s=sum(s.spec_draft_s for s in steps),
+        tokens_trained=sum(lens),
     )

@@ -8,10 +8,8 @@ seconds; an end-to-end figure needs the rest of the step: with rollout a share `
 synchronous step (table 1: 66-72 % for the 14B/16k model), ``e2e = 1 / ((1 - rho) + rho / s)``
 for a rollout speedup ``s``, the other stages unchanged (tail batching alone does not overlap them).
 
-SortedRL (paper 003, section 4.4.1): 512 samples in 4 batches, max length 8k, lengths replayed:
-bubble ratio 74 % (baseline) -> 5.81 % (on-policy) and 3.37 % (partial), throughput +7.57 % and
-+39.48 %. Simulated here with the same shape: the baseline rolls out all 512 samples at once
-(64 prompts x 8), the sorted arms load 4 update batches of 16 x 8 (group size 4); 512 slots.
+SortedRL (paper 003, section 4.4.1): its configuration, checks and sensitivity runs are in
+``bench.whatif.sortedrl``.
 """
 
 from __future__ import annotations
@@ -21,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollpacker.bench.replay import SORTEDRL_PAPER_BUBBLE
 from rollpacker.bench.whatif.run import WhatIfConfig, simulate
+from rollpacker.bench.whatif.sortedrl import render_sortedrl, sortedrl_report
 from rollpacker.bench.whatif.specfiles import deployments
 from rollpacker.bench.whatif.traces import load
+from rollpacker.core.errors import ConfigError
 
 ROLLOUT_SHARE = 0.72  # RollPacker table 1, math task (14B/16k on veRL): rollout 72 % of the step
 PAPER_ROLLOUT_AVG_MAX = 3.9  # RollPacker section 6.3: "accelerates the average rollout speed by up to 3.9x"
@@ -91,46 +90,25 @@ def rollpacker_case(case: PaperCase, seed: int = 0) -> dict[str, Any]:
     }
 
 
-def sortedrl_case(seed: int = 0) -> dict[str, Any]:
-    """SortedRL's workload: the baseline is one synchronous rollout of all 512 samples (64 prompts
-    x 8) then its updates; the sorted arms load 4 update batches of 16 x 8 at once. 512 slots."""
-    records, source = load(None, "paper-8k", seed)
-    dep = deployments(HARDWARE, "qwen2.5-7b", (1,), 1)[0]  # one replica: 512 slots, one queue
-
-    def run(p0: int, policies: tuple[str, ...]) -> dict[str, Any]:
-        cfg = WhatIfConfig(
-            p0=p0, r0=8, max_tokens=8192, periods=1, eta_ps=(1.25,), eta_rs=(1.25,), seed=seed,
-            concurrency=512, group_size=4, policies=policies,
-        )  # fmt: skip
-        return simulate(records, dep, cfg.rollout(), cfg, cfg.policies, cfg.periods, source)
-
-    base = run(64, ("sync", "tail_batching"))["sync"]
-    rows = run(16, ("sync", "tail_batching", "sorted", "sorted_partial"))
-    per_128 = base["rollout_s_per_step"] / 4  # the baseline's seconds per update batch of 128
-    return {
-        "case": "SortedRL 4.4.1: 512 samples (4 x 128), 8k",
-        "deployment": f"{dep.name} on {HARDWARE}, 512 slots",
-        "trace": source,
-        "sim_bubble": {
-            "baseline": base["bubble_ratio"],
-            **{k: rows[k]["bubble_ratio"] for k in ("sorted", "sorted_partial")},
-        },
-        "sim_speedup": {k: per_128 / rows[k]["rollout_s_per_step"] for k in ("sorted", "sorted_partial")},
-        "sim_wasted_share": {k: rows[k]["wasted_share"] for k in ("sorted", "sorted_partial")},
-        "paper_bubble": dict(SORTEDRL_PAPER_BUBBLE),
-        "paper_throughput_gain": {"sorted": 0.0757, "sorted_partial": 0.3948},
-    }
+PARTS = ("rollpacker", "sortedrl")
 
 
-def run_papers(progress: Callable[[str], None] = lambda _s: None, seed: int = 0) -> dict[str, Any]:
+def run_papers(
+    progress: Callable[[str], None] = lambda _s: None, seed: int = 0, only: tuple[str, ...] = PARTS
+) -> dict[str, Any]:
+    """The RollPacker cases and SortedRL's experiment (``only`` picks one of ``PARTS``)."""
+    unknown = sorted(set(only) - set(PARTS))
+    if unknown:
+        raise ConfigError(f"whatif-papers: unknown part(s) {unknown}; use {', '.join(PARTS)}")
     t0 = time.perf_counter()
     rows = []
-    for case in CASES:
+    for case in CASES if "rollpacker" in only else ():
         t = time.perf_counter()
         rows.append(rollpacker_case(case, seed))
         progress(f"{case.model}/{case.max_tokens // 1024}k simulated in {time.perf_counter() - t:.0f} s")
-    sorted_row = sortedrl_case(seed)
-    progress("SortedRL workload simulated")
+    sorted_rep = sortedrl_report(seed) if "sortedrl" in only else None
+    if sorted_rep is not None:
+        progress("SortedRL's experiment and its sensitivity runs simulated")
     return {
         "simulated": True,
         "hardware": HARDWARE,
@@ -138,18 +116,22 @@ def run_papers(progress: Callable[[str], None] = lambda _s: None, seed: int = 0)
         "paper_rollout_avg_max": PAPER_ROLLOUT_AVG_MAX,
         "paper_short_round_max": PAPER_SHORT_ROUND_MAX,
         "rollpacker": rows,
-        "sortedrl": sorted_row,
+        "sortedrl": sorted_rep,
         "seconds": time.perf_counter() - t0,
     }
 
 
 def render_papers(report: dict[str, Any]) -> str:
     """The comparison as a Markdown table (printed, and pasted into docs/whatif.md)."""
-    lines = [
-        "| case | deployment | sim rollout x (mean) | sim short-round x | sim end-to-end x (rollout 72 %) "
-        "| paper end-to-end x (TB alone) | paper rollout x |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = (
+        []
+        if not report["rollpacker"]
+        else [
+            "| case | deployment | sim rollout x (mean) | sim short-round x "
+            "| sim end-to-end x (rollout 72 %) | paper end-to-end x (TB alone) | paper rollout x |",
+            "|---|---|---|---|---|---|---|",
+        ]
+    )
     for r in report["rollpacker"]:
         short = "-" if r["sim_short_round_speedup"] is None else f"{r['sim_short_round_speedup']:.2f}"
         lines.append(
@@ -157,20 +139,7 @@ def render_papers(report: dict[str, Any]) -> str:
             f"{r['sim_implied_e2e']:.2f} | {r['paper_e2e']:.2f} | up to {report['paper_rollout_avg_max']} "
             f"(avg), {report['paper_short_round_max']} (short rounds) |"
         )
-    s = report["sortedrl"]
-    sb, pb, gain = s["sim_bubble"], s["paper_bubble"], s["paper_throughput_gain"]
-    lines += [
-        "",
-        "| SortedRL workload | baseline bubble | sorted (on-policy) bubble | sorted (partial) bubble "
-        "| sorted x | sorted_partial x |",
-        "|---|---|---|---|---|---|",
-        f"| simulated ({s['deployment']}) | {sb['baseline']:.1%} | {sb['sorted']:.2%} | "
-        f"{sb['sorted_partial']:.2%} | "
-        f"{s['sim_speedup']['sorted']:.2f} | {s['sim_speedup']['sorted_partial']:.2f} |",
-        f"| paper 003 section 4.4.1 | {pb['baseline']:.0%} | {pb['sorted']:.2%} | "
-        f"{pb['sorted_partial']:.2%} | "
-        f"{1 + gain['sorted']:.2f} (tokens/s) | {1 + gain['sorted_partial']:.2f} (tokens/s) |",
-        "",
-        f"simulated in {report['seconds']:.0f} s",
-    ]
+    if report["sortedrl"] is not None:
+        lines += ["", *render_sortedrl(report["sortedrl"])]
+    lines += ["", f"simulated in {report['seconds']:.0f} s"]
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.bench.tables import legend, wrap
+from rollpacker.bench.throughput import throughput_table
 
 _POLICY_LEGEND = (
     ("steps", "trained RL steps simulated (each trains P0 prompts x R0 responses)"),
@@ -52,6 +53,9 @@ def render(report: dict[str, Any]) -> str:
     for name, rows in report["policies"].items():
         lines += ["", f"policies on {name}:", *_policy_table(rows)]
     lines += legend(_POLICY_LEGEND)
+    for name, rows in report["policies"].items():
+        q = next((d["concurrency_per_replica"] for d in report["deployments"] if d["name"] == name), "?")
+        lines += ["", *throughput_table(rows, f"throughput on {name} (SIMULATED; Q = {q} per replica):")]
     lines += ["", *_grid_lines(report["best_eta"], report["recommended"], report["tp_ranking"])]
     lines += ["", f"runtime {report['runtime_s']:.1f} s"]
     return "\n".join(lines)

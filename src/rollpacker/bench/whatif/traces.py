@@ -17,6 +17,7 @@ are not trained): record the trace from a ``sync`` arm where possible.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,6 +51,17 @@ PAPER_PRESETS: dict[str, TracePreset] = {f"paper-{k}k": _paper(k * 1024) for k i
 # the same median and P75 (~1.1k), a heavier per-prompt tail: about one response a step of
 # 128 x 8 reaches 32k, as in RollPacker's 32B/32k runs (fig. 11a), where paper-32k's rarely does
 PAPER_PRESETS["paper-32k-heavy"] = _paper(32 * 1024, sigma_prompt=1.3)
+# SortedRL's workload (paper 003): one response a prompt (PPO on DAPO-Math-17k), max 8k (section
+# 4.4.1). Its length statistics (section 2.3, fig. 1c): "80 % of samples are generated within 3K
+# tokens, the remaining 5 % can extend up to the token limit". A log-normal through P80 = 3k and
+# P95 = 8k has median 1,046 and sigma 1.25 (sqrt(1.15^2 + 0.5^2)); seed 0 draws P80 3.2k, 6 % at 8k.
+PAPER_PRESETS["sortedrl-8k"] = dataclasses.replace(
+    _paper(8 * 1024, sigma_prompt=1.15),
+    num_prompts=1024,
+    responses_per_prompt=1,
+    median_len=1046,
+    description="SortedRL-like (paper 003 sec. 2.3): one response a prompt, P80 ~3k, ~5 % reach 8k",
+)
 PRESETS: dict[str, TracePreset] = {**REPLAY_PRESETS, **PAPER_PRESETS}
 
 MLFLOW_PROMPT_LEN = 128  # prompt tokens assumed for a trace rebuilt from an MLflow run (not logged)
