@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, TrackingUnavailable
+from rollpacker.core.fidelity import COMPARE_KEYS
 from rollpacker.core.redact import redact_uri
 
 if TYPE_CHECKING:
@@ -508,6 +509,8 @@ class ArmSummary:
     reward_mean_final: float | None
     policy_lag_mean: float | None = None
     off_policy_frac_mean: float | None = None
+    # engine/trainer mismatch and rollout correction (core.fidelity.COMPARE_KEYS), mean over steps
+    fidelity_mean: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -548,6 +551,10 @@ class CompareReport:
             (f"{BUBBLE_KEY} mean", [num(a.bubble_ratio_mean, "{:.3f}") for a in self.arms]),
             (f"{LAG_KEY} mean", [num(a.policy_lag_mean, "{:.3f}") for a in self.arms]),
             (f"{OFF_POLICY_KEY} mean", [num(a.off_policy_frac_mean, "{:.3f}") for a in self.arms]),
+            *(
+                (f"{k} mean", [num(a.fidelity_mean.get(k), "{:.2e}") for a in self.arms])
+                for k in COMPARE_KEYS
+            ),
             (f"{VAL_KEY} first", [num(a.val_accuracy_first, "{:.3f}") for a in self.arms]),
             (f"{VAL_KEY} final", [num(a.val_accuracy_final, "{:.3f}") for a in self.arms]),
             (f"{REWARD_KEY} final", [num(a.reward_mean_final, "{:.3f}") for a in self.arms]),
@@ -672,7 +679,16 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
         run = _oldest(rs)
         if len(rs) > 1:
             notes.append(f"arm {arm!r} has {len(rs)} live runs; using the oldest, {run.info.run_id}")
-        keys = (*STAGE_KEYS, STEP_KEY, BUBBLE_KEY, VAL_KEY, REWARD_KEY, LAG_KEY, OFF_POLICY_KEY)
+        keys = (
+            *STAGE_KEYS,
+            STEP_KEY,
+            BUBBLE_KEY,
+            VAL_KEY,
+            REWARD_KEY,
+            LAG_KEY,
+            OFF_POLICY_KEY,
+            *COMPARE_KEYS,
+        )
         raw[arm] = (run, {k: _series(client.get_metric_history(run.info.run_id, k)) for k in keys})
 
     def mean_of(arm: str, key: str) -> float | None:
@@ -712,6 +728,7 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
                 reward_mean_final=s[REWARD_KEY][-1][1] if s[REWARD_KEY] else None,
                 policy_lag_mean=mean_of(arm, LAG_KEY),
                 off_policy_frac_mean=mean_of(arm, OFF_POLICY_KEY),
+                fidelity_mean={k: mean_of(arm, k) for k in COMPARE_KEYS},
             )
         )
     step_counts = {a.arm: a.steps for a in arms}

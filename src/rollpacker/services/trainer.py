@@ -61,6 +61,7 @@ from typing import Any
 
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.fidelity import fidelity_metrics
 from rollpacker.core.metrics import policy_lag
 from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
@@ -393,6 +394,7 @@ class TrainerService(Service, TrainerAPI):
                 "train/clip_frac": st.clip_frac,
                 "train/ratio_mean": st.ratio_mean,
                 "train/kl": st.kl,
+                **fidelity_metrics(st.fidelity),  # mismatch/*, correction/* (core/fidelity.py)
                 "train/checkpoint_s": ckpt_s,
                 "train/checkpoint_stored": float(store),
                 "weights/sync_s": sync_s,
