@@ -32,7 +32,7 @@ from rollpacker.core.devices import (
 )
 from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.fidelity import RolloutCorrectionConfig
+from rollpacker.core.fidelity import RolloutCorrectionConfig, SyncProbeConfig
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.scaledown import ScaleDownConfig
 from rollpacker.core.timeout import TimeoutConfig
@@ -392,6 +392,8 @@ class TrainerConfig:
     objective: str = "auto"
     # importance weights pi_old / pi_rollout (TIS / MIS) against the engine/trainer mismatch; off
     correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    # after each weight push: the engine's logprobs on probe prompts vs the trainer's (core/fidelity.py)
+    sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
     # grpo | dr_grpo | reinforce_pp (core/advantages.py); auto: grpo, or dr_grpo when
     # scale_advantages is false
     advantage: str = "auto"

@@ -34,6 +34,13 @@ Mismatch metrics (``fidelity_metrics``) come from sums over the step's trained t
 (``FidelitySums`` keys), merged by addition (``*_max`` by maximum) across chunks, mini-batches and
 ranks, so the metric does not depend on how the batch was cut.
 
+Weight-sync probe (``train.sync_probe``): after every weight push the rollout engine samples a few
+tokens on fixed probe prompts, and the trainer scores the same tokens; ``sync/probe_logprob_gap``
+is the mean ``|logp_trainer - logp_engine|`` over them. Its bound is set by the two precisions
+(``probe_bound``; the coarser one wins): an engine serving other weights than the trainer's (stale,
+half-loaded) is off by orders of magnitude more, and the step fails naming the gap before any
+rollout runs on those weights.
+
 Invariants:
 - with ``level: none`` and ``ppo``/``gspo`` the engine's logprobs do not change the gradient;
 - in a single update with identical weights the PPO ratio is exactly 1 and never clips, whatever
@@ -107,6 +114,50 @@ class RolloutCorrectionConfig:
     @property
     def rejects(self) -> bool:
         return self.reject_lower > 0 or self.reject_upper > 0
+
+
+# the mean |logprob gap| a healthy engine stays under, by the coarser of the two precisions: fp32
+# measured ~1e-6 on this CPU (2e-3 leaves room for TF32 matmuls and other kernels on GPUs); a
+# half-precision side is off by its rounding (fp16: 2^-10, bf16: 2^-7 relative) through every layer
+PROBE_BOUNDS = {"float32": 2e-3, "float16": 3e-2, "bfloat16": 1.5e-1}
+
+
+@dataclass(frozen=True)
+class SyncProbeConfig:
+    """``train.sync_probe``: the engine's logprobs checked against the trainer's after each push."""
+
+    enabled: bool = True
+    prompts: int = 4  # fixed probe prompts (the task's first training prompts)
+    max_tokens: int = 8  # tokens sampled per probe prompt
+    bound: float = 0.0  # the largest mean |gap| accepted; 0 = from the two precisions (PROBE_BOUNDS)
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "max_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"train.sync_probe.{name} = {v!r}: must be an integer >= 1")
+        if isinstance(self.bound, bool) or not isinstance(self.bound, (int, float)) or not self.bound >= 0:
+            raise ConfigError(
+                f"train.sync_probe.bound = {self.bound!r}: must be a number >= 0 (0 = from the precisions)"
+            )
+
+
+def probe_bound(cfg: SyncProbeConfig, engine_dtype: str, train_dtype: str) -> float:
+    """The probe's bound: ``cfg.bound``, or the coarser precision's ``PROBE_BOUNDS`` entry."""
+    if cfg.bound > 0:
+        return cfg.bound
+    for d in (engine_dtype, train_dtype):
+        if d not in PROBE_BOUNDS:
+            raise ConfigError(f"no probe bound for dtype {d!r}; known: {', '.join(PROBE_BOUNDS)}")
+    return max(PROBE_BOUNDS[engine_dtype], PROBE_BOUNDS[train_dtype])
+
+
+def probe_gap(trainer: list[list[float]], engine: list[list[float]]) -> float:
+    """``sync/probe_logprob_gap``: the mean ``|trainer - engine|`` over every probe token."""
+    diffs = [abs(a - b) for t, e in zip(trainer, engine, strict=True) for a, b in zip(t, e, strict=True)]
+    if not diffs:
+        raise ValueError("the probe has no tokens")
+    return sum(diffs) / len(diffs)
 
 
 def bucket_name(k: int) -> str:
