@@ -202,9 +202,9 @@ def fidelity_metrics(sums: Mapping[str, float]) -> dict[str, float]:
         "mismatch/kl_k3": sums["mm_kl"] / n,
         "mismatch/ratio_out_frac": sums["mm_out"] / n,
         "mismatch/seq_ratio_std": math.sqrt(max(sums["mm_seq_w2"] / seqs - mean_w * mean_w, 0.0)),
-        "correction/truncated_frac": sums["cor_truncated"] / n,
-        "correction/masked_frac": sums["cor_masked"] / n,
-        "correction/rejected_seqs": sums["cor_rejected"],
+        "correction/truncated_frac": sums.get("cor_truncated", 0.0) / n,
+        "correction/masked_frac": sums.get("cor_masked", 0.0) / n,
+        "correction/rejected_seqs": sums.get("cor_rejected", 0.0),
     }
     for kind in ("pos", "len"):
         for k in range(len(BUCKET_EDGES)):
