@@ -59,7 +59,7 @@ class _Engine:
         pass
 
 
-def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: float):  # type: ignore[no-untyped-def]
+def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: float, lr: str = "1.0e-2"):  # type: ignore[no-untyped-def]
     """One training step of a trainer service whose engine loads ``share`` of each push."""
     from rollpacker.core.config import StoreConfig
     from rollpacker.services.trainer import TrainerService
@@ -69,7 +69,7 @@ def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, share: float):  # typ
     store = open_store(StoreConfig(endpoint=f"file://{tmp_path / 'store'}"))
     model = build_small_model(tmp_path / "model")
     base = store.upload_dir(model, "t/base/")
-    text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\ntrain: {{lr: 1.0e-2}}\n'
+    text = f'experiment: t\nstore: {{endpoint: "file://{tmp_path / "store"}"}}\ntrain: {{lr: {lr}}}\n'
     svc = TrainerService(text, "sync")
     svc.bind(_Engine(model, share))
     svc.begin("a0", start_state("t", "sync", base), base)
@@ -85,14 +85,24 @@ def test_a_fully_loaded_engine_passes_and_the_gap_is_logged(tmp_path, monkeypatc
     assert 0 <= r.metrics["sync/probe_logprob_gap"] < 1e-5  # fp32 on both sides: rounding only
 
 
-@pytest.mark.parametrize(("share", "what"), [(0.0, "stale"), (0.5, "half-loaded")])
+@pytest.mark.parametrize(("share", "version"), [(0.0, 0), (0.5, 1)])  # stale, half-loaded
 def test_a_stale_or_half_loaded_engine_fails_the_step_naming_the_gap(
-    tmp_path, monkeypatch, share, what
+    tmp_path, monkeypatch, share, version
 ) -> None:
     from rollpacker.core.errors import TrainerError
 
-    with pytest.raises(TrainerError, match=r"sync/probe_logprob_gap = [0-9.e-]+ .* > bound 0\.002 \(float32"):
+    gap = r"sync/probe_logprob_gap = 0\.[0-9]+ .*, bound 0\.002 \(float32 engine, float32 trainer\)"
+    with pytest.raises(TrainerError, match=gap + f", engine at version {version}"):
         _step(tmp_path, monkeypatch, share=share)
+
+
+def test_a_stale_engine_within_the_bound_fails_on_its_version(tmp_path, monkeypatch) -> None:
+    """At the default learning rate one step moves the probe's logprobs by less than the bound: the
+    engine's version (what the rollout service last loaded) still names it stale."""
+    from rollpacker.core.errors import TrainerError
+
+    with pytest.raises(TrainerError, match=r"sync/probe_logprob_gap = [0-9.e-]+ .* engine at version 0"):
+        _step(tmp_path, monkeypatch, share=0.0, lr="3.0e-5")
 
 
 def test_the_bound_is_the_coarser_precision_or_the_configured_one() -> None:

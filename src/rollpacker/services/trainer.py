@@ -367,15 +367,16 @@ class TrainerService(Service, TrainerAPI):
         gap = probe_gap(self.trainer.logprobs(samples), [list(lp) for lp in got.logprobs])
         engine_dtype, train_dtype = self.cfg.engine.dtype, _train_dtype(self.cfg.train)
         bound = probe_bound(pc, engine_dtype, train_dtype)
-        if not gap <= bound:
+        pushed = self.trainer.policy_version
+        if not gap <= bound or got.policy_version != pushed:
             raise TrainerError(
-                f"weight-sync probe failed after pushing policy version {self.trainer.policy_version}: "
+                f"weight-sync probe failed after pushing policy version {pushed}: "
                 f"sync/probe_logprob_gap = {gap:.3g} (mean |trainer - engine| logprob over "
-                f"{sum(len(r) for r in got.response_ids)} probe tokens) > bound {bound:.3g} "
-                f"({engine_dtype} engine, {train_dtype} trainer); the engine (at version "
-                f"{got.policy_version}) serves other weights than the trainer's: a stale or half-loaded "
-                "weight push. The step fails before any rollout on them; check the push (weights/sync_s, "
-                "the rollout service's log) or raise train.sync_probe.bound if the precisions differ more"
+                f"{sum(len(r) for r in got.response_ids)} probe tokens), bound {bound:.3g} "
+                f"({engine_dtype} engine, {train_dtype} trainer), engine at version {got.policy_version}: "
+                "the engine serves other weights than the trainer's (a stale or half-loaded weight push). "
+                "The step fails before any rollout on them; check the push (weights/sync_s, the rollout "
+                "service's log) or raise train.sync_probe.bound if the precisions differ more"
             )
         return {"sync/probe_logprob_gap": gap, "sync/probe_s": time.perf_counter() - t0}
 
