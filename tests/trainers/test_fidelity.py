@@ -244,3 +244,23 @@ def test_registries_and_config_errors_name_the_known_choices():
         RolloutCorrectionConfig(reject_upper=0.99)
     with pytest.raises(ConfigError, match="correction"):
         from_mapping(TrainerConfig, {"correction": {"levle": "token"}})
+
+
+def test_auto_gives_every_arm_with_stale_tokens_decoupled_ppos_behaviour_weight():
+    """Partial rollout, SortedRL's partial mode and the one-off pipeline train tokens an older
+    policy sampled: ``objective: auto`` weights them by pi_old / pi_behav; on-policy arms get ppo."""
+    from rollpacker.core.config import config_from_text
+
+    cfg = config_from_text(
+        "experiment: t\narms: [sync, tail_batching, partial, {name: sp, policy: sorted, mode: partial},\n"
+        "  {name: so, policy: sorted}, {name: oo, policy: tail_batching, one_off: true}]\n"
+    )
+    got = {a: cfg.for_arm(a).train.objective for a in cfg.arm_names}
+    assert got == {
+        "sync": "ppo",
+        "tail_batching": "ppo",
+        "partial": "decoupled_ppo",
+        "sp": "decoupled_ppo",
+        "so": "ppo",
+        "oo": "decoupled_ppo",
+    }
