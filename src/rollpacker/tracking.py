@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, TrackingUnavailable
+from rollpacker.core.fidelity import COMPARE_KEYS
 from rollpacker.core.metrics import throughput
 from rollpacker.core.redact import redact_uri
 
@@ -515,6 +516,8 @@ class ArmSummary:
     output_tokens_per_s: float | None = None  # every generated token / rollout second (SortedRL's)
     trained_tokens_per_s: float | None = None  # trained response tokens / rollout second
     wasted_share: float | None = None
+    # engine/trainer mismatch and rollout correction (core.fidelity.COMPARE_KEYS), mean over steps
+    fidelity_mean: dict[str, float | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -558,6 +561,10 @@ class CompareReport:
             ("rollout wasted share", [num(a.wasted_share, "{:.1%}") for a in self.arms]),
             (f"{LAG_KEY} mean", [num(a.policy_lag_mean, "{:.3f}") for a in self.arms]),
             (f"{OFF_POLICY_KEY} mean", [num(a.off_policy_frac_mean, "{:.3f}") for a in self.arms]),
+            *(
+                (f"{k} mean", [num(a.fidelity_mean.get(k), "{:.2e}") for a in self.arms])
+                for k in COMPARE_KEYS
+            ),
             (f"{VAL_KEY} first", [num(a.val_accuracy_first, "{:.3f}") for a in self.arms]),
             (f"{VAL_KEY} final", [num(a.val_accuracy_final, "{:.3f}") for a in self.arms]),
             (f"{REWARD_KEY} final", [num(a.reward_mean_final, "{:.3f}") for a in self.arms]),
@@ -689,7 +696,17 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
         run = _oldest(rs)
         if len(rs) > 1:
             notes.append(f"arm {arm!r} has {len(rs)} live runs; using the oldest, {run.info.run_id}")
-        keys = (*STAGE_KEYS, STEP_KEY, BUBBLE_KEY, VAL_KEY, REWARD_KEY, LAG_KEY, OFF_POLICY_KEY, *TOKEN_KEYS)
+        keys = (
+            *STAGE_KEYS,
+            STEP_KEY,
+            BUBBLE_KEY,
+            VAL_KEY,
+            REWARD_KEY,
+            LAG_KEY,
+            OFF_POLICY_KEY,
+            *TOKEN_KEYS,
+            *COMPARE_KEYS,
+        )
         raw[arm] = (run, {k: _series(client.get_metric_history(run.info.run_id, k)) for k in keys})
 
     def mean_of(arm: str, key: str) -> float | None:
@@ -730,6 +747,7 @@ def compare(tracking_uri: str, experiment: str, baseline: str = "sync") -> Compa
                 policy_lag_mean=mean_of(arm, LAG_KEY),
                 off_policy_frac_mean=mean_of(arm, OFF_POLICY_KEY),
                 **_throughput(s),
+                fidelity_mean={k: mean_of(arm, k) for k in COMPARE_KEYS},
             )
         )
     step_counts = {a.arm: a.steps for a in arms}

@@ -70,7 +70,7 @@ def test_learning_arms_are_checked_by_name() -> None:
     assert learning_arms("sync, one_off") == ["sync", "one_off"]
     assert set(ARMS) == {
         *("sync", "tail_batching", "sorted", "sorted_partial", "partial", "one_off"),
-        *("control", "dapo", "reinforce_pp", "gspo"),
+        *("control", "dapo", "reinforce_pp", "gspo", "tis", "mis"),
     }
     with pytest.raises(ConfigError, match=r"unknown arm\(s\) \['fast'\]; known: sync, tail_batching"):
         learning_arms("sync,fast")

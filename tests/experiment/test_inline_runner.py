@@ -53,6 +53,19 @@ validation: {{{{every: 100, max_tokens: 32}}}}
     assert [a.arm for a in out.arms] == ["sync", "tail_batching"]
     assert all(a.committed_step == 1 and a.failures == 0 for a in out.arms)
     assert "tail_batching" in out.compare_table and "speedup" in out.compare_table
+    # every arm logs the engine/trainer mismatch and the weight-sync probe at every step
+    # (docs/training.md, "Rollout-trainer fidelity"): float32 engine and trainer agree closely
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("inline").experiment_id  # type: ignore[union-attr]
+    for arm in ("sync", "tail_batching"):
+        run = client.search_runs([exp], f"tags.`rollpacker.arm` = '{arm}'")[0]
+        gaps = client.get_metric_history(run.info.run_id, "mismatch/abs_logp_mean")
+        probes = client.get_metric_history(run.info.run_id, "sync/probe_logprob_gap")
+        assert len(gaps) == 2 and all(m.value < 1e-3 for m in gaps), (arm, gaps)
+        assert len(probes) == 2 and all(m.value < 2e-3 for m in probes), (arm, probes)
+    assert "mismatch/abs_logp_mean mean" in out.compare_table
 
     cfg_path.write_text(body.format(steps=3))
     again = run_experiment(

@@ -135,3 +135,18 @@ def test_validation_on_a_dying_engine_fails_and_drops_it(service: Any) -> None:
     with pytest.raises(EngineError, match="SIGKILL planted"):
         svc.validate(0, "att1")
     assert svc.engine is None
+
+
+def test_the_weight_probe_samples_the_probe_prompts_and_skips_a_dead_engine(service: Any) -> None:
+    """The probe's engine side (services/rollout.py): the task's first training prompts, one
+    seeded sample each of exactly ``max_tokens`` tokens with their logprobs; nothing from a dead
+    engine (the trainer then skips the check: the next sync loads the checkpoint)."""
+    svc = service
+    svc.replicas[1].die_at = 0  # healthy until killed below
+    got = svc.probe(3, 5)
+    assert got.prompt_ids == tuple(p.token_ids for p in svc.data().train_prompts[:3])
+    assert [len(r) for r in got.response_ids] == [5, 5, 5]
+    assert [len(lp) for lp in got.logprobs] == [5, 5, 5]
+    assert got.policy_version == 0 and got.from_json(got.to_json()) == got
+    svc.replicas[1].kill("died before the probe")
+    assert svc.probe(3, 5).response_ids == () and svc.engine is None

@@ -298,6 +298,11 @@ class _Rollout:
     def load_weights(self, *args: Any) -> float:
         return 0.0
 
+    def probe(self, prompts: int, max_tokens: int) -> Any:
+        from rollpacker.services.api import WeightProbe
+
+        return WeightProbe(0, (), (), ())  # no engine up: the probe is skipped
+
 
 class _TrainerPeers:
     def rollout(self) -> _Rollout:

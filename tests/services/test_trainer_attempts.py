@@ -109,6 +109,8 @@ def test_a_step_between_checkpoints_stores_nothing_and_only_this_trainer_holds_i
     svc.submit("a0", "g0", _group("g0", 0))
     r0 = svc.finish("a0", 0, ("g0",), "t/ckpt/s0/", "t/batch/s0")
     assert not r0.stored and r0.metrics["train/checkpoint_stored"] == 0.0
+    # the engine/trainer mismatch of the trained tokens is logged every step (core/fidelity.py)
+    assert r0.metrics["mismatch/abs_logp_mean"] > 0 and r0.metrics["correction/masked_frac"] == 0.0
     assert not svc.store().list("t/ckpt/s0/")  # the key only names the weights in memory
     assert svc.holds(r0.checkpoint_uri) and not svc.holds(base)
     s0 = state.successor(checkpoint_uri=r0.checkpoint_uri, policy_version=1, rollback_step=-1)

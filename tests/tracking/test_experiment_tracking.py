@@ -268,6 +268,22 @@ def test_compare_shows_both_throughputs_of_each_arm_side_by_side(uri, request) -
     assert "250.0" in table and "150.0" in table and "40.0%" in table
 
 
+def test_compare_shows_the_engine_trainer_mismatch_of_each_arm(uri, request) -> None:
+    exp = _exp(request)
+    tr = ExperimentTracker(uri, exp)
+    _fill_arm(tr, "sync", step_s=10.0, rollout_s=8.0)
+    tail = _fill_arm(tr, "tail_batching", step_s=5.0, rollout_s=2.0)
+    for step, gap in ((1, 1e-3), (2, 3e-3)):
+        tr.log_step(tail, step, {"mismatch/abs_logp_mean": gap, "correction/masked_frac": gap * 10})
+    r = compare(uri, exp)
+    t = r.arm("tail_batching")
+    assert t.fidelity_mean["mismatch/abs_logp_mean"] == pytest.approx(2e-3)
+    assert t.fidelity_mean["correction/masked_frac"] == pytest.approx(2e-2)
+    assert r.arm("sync").fidelity_mean["mismatch/abs_logp_mean"] is None
+    row = next(ln for ln in r.render().splitlines() if ln.startswith("mismatch/abs_logp_mean mean"))
+    assert row.split()[-2:] == ["-", "2.00e-03"]
+
+
 def test_compare_says_when_the_arms_ran_different_numbers_of_steps(uri, request) -> None:
     exp = _exp(request)
     tr = ExperimentTracker(uri, exp)

@@ -45,6 +45,16 @@ def _rel(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def _loss_close(a: float, b: float) -> bool:
+    """Within 1e-6 relative, or 1e-12 absolute: at ratio 1 with centred advantages the loss is ~0."""
+    return abs(a - b) <= 1e-6 * abs(b) + 1e-12
+
+
+def _with_old(samples: list[TrainSample]) -> list[TrainSample]:
+    """pi_old away from the current weights (a later mini-batch's): the engine's logprobs stand in."""
+    return [dataclasses.replace(s, old_logprobs=s.behaviour_logprobs) for s in samples]
+
+
 # -- the independent reference -------------------------------------------------------------------
 def _token_logprobs(model, s: TrainSample) -> torch.Tensor:
     """Logprobs of the response tokens, one unpadded sequence."""
@@ -60,16 +70,19 @@ def _clip(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(1 - EPS_LOW, 1 + EPS_HIGH)
 
 
-def _seq_loss(name: str, p: torch.Tensor, b: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-    """One sequence's per-token loss values by the objective's formula."""
+def _seq_loss(
+    name: str, p: torch.Tensor, old: torch.Tensor, b: torch.Tensor, adv: torch.Tensor
+) -> torch.Tensor:
+    """One sequence's per-token loss values by the objective's formula, the ratio against ``old``
+    (pi_old); the engine's ``b`` enters only decoupled PPO's behaviour weight."""
     if name == "ppo":
-        r = torch.exp(p - b)
+        r = torch.exp(p - old)
         return -torch.minimum(r * adv, _clip(r) * adv)
-    if name == "decoupled_ppo":  # streamed: the proximal policy is the current weights, detached
-        q = p.detach()
+    if name == "decoupled_ppo":
+        q = old
         return -torch.minimum(torch.exp(p - b) * adv, torch.exp(q - b) * _clip(torch.exp(p - q)) * adv)
     if name == "gspo":  # one sequence ratio, the geometric mean of the token ratios
-        s = torch.exp((p - b).mean())
+        s = torch.exp((p - old).mean())
         return (-torch.minimum(s * adv, _clip(s) * adv)).expand(len(p))
     raise AssertionError(name)
 
@@ -81,15 +94,17 @@ def _reference(model, samples, name: str, norm: str, token_adv=None, kl_coef=0.0
     for i, s in enumerate(samples):
         p = _token_logprobs(model, s)
         b = torch.tensor(s.behaviour_logprobs, dtype=torch.float64)
+        # one update: pi_old is the current weights, detached; else the given logprobs
+        old = torch.tensor(s.old_logprobs, dtype=torch.float64) if s.old_logprobs else p.detach()
         if token_adv is not None:
             adv = torch.tensor(token_adv[i], dtype=torch.float64)
             if name == "gspo":  # GSPO-token: the sequence ratio's value, each token's own gradient
-                sv = torch.exp((p - b).mean()).detach() * torch.exp(p - p.detach())
+                sv = torch.exp((p - old).mean()).detach() * torch.exp(p - p.detach())
                 loss = -torch.minimum(sv * adv, _clip(sv) * adv)
             else:
-                loss = _seq_loss(name, p, b, adv)
+                loss = _seq_loss(name, p, old, b, adv)
         else:
-            loss = _seq_loss(name, p, b, torch.tensor(s.advantage, dtype=torch.float64))
+            loss = _seq_loss(name, p, old, b, torch.tensor(s.advantage, dtype=torch.float64))
         if kl_coef:
             with torch.no_grad():
                 q = _token_logprobs(ref_model, s)
@@ -121,15 +136,18 @@ def _trainer_loss_and_grad(tr: TorchTrainer, samples) -> tuple[float, torch.Tens
 
 
 # -- objectives ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("old", ["same_forward", "given"])
 @pytest.mark.parametrize("norm", ["token_mean", "seq_mean"])
 @pytest.mark.parametrize("name", ["ppo", "decoupled_ppo", "gspo"])
-def test_objective_loss_and_gradient_equal_the_formula(small_model_dir, name, norm):
+def test_objective_loss_and_gradient_equal_the_formula(small_model_dir, name, norm, old):
     samples = [s for g in make_batch(num_groups=5, group_size=3, seed=11) for s in g]
+    if old == "given":
+        samples = _with_old(samples)
     tr = _trainer(small_model_dir, objective=name, loss_norm=norm)
     loss, grad = _trainer_loss_and_grad(tr, samples)
     ref_loss, ref_grad = _reference(_trainer(small_model_dir).model, samples, name, norm)
     assert float(ref_grad.norm()) > 0
-    assert _rel(loss, ref_loss) <= 1e-6 and _rel(grad, ref_grad) <= 1e-6, (
+    assert _loss_close(loss, ref_loss) and _rel(grad, ref_grad) <= 1e-6, (
         _rel(loss, ref_loss),
         _rel(grad, ref_grad),
     )
@@ -146,13 +164,14 @@ def test_objective_with_kl_loss_equals_the_formula(small_model_dir):
     loss, grad = _trainer_loss_and_grad(tr, samples)
     ref_loss, ref_grad = _reference(policy, samples, "ppo", "token_mean", kl_coef=0.3, ref_model=tr.ref_model)
     _, no_kl = _reference(copy.deepcopy(policy), samples, "ppo", "token_mean")
-    assert _rel(loss, ref_loss) <= 1e-6 and _rel(grad, ref_grad) <= 1e-6
+    assert _loss_close(loss, ref_loss) and _rel(grad, ref_grad) <= 1e-6
     assert _rel(no_kl, ref_grad) > 1e-3  # the KL term is really in it
 
 
 def test_gspo_differs_from_token_level_ppo(small_model_dir):
-    """The reference test can fail: GSPO's sequence ratio is not PPO's token ratio."""
-    samples = [s for g in make_batch(num_groups=5, group_size=3, seed=11) for s in g]
+    """The reference test can fail: GSPO's sequence ratio is not PPO's token ratio (away from
+    pi_old; at ratio 1, one update's start, the two gradients are the same)."""
+    samples = _with_old([s for g in make_batch(num_groups=5, group_size=3, seed=11) for s in g])
     _, grad = _trainer_loss_and_grad(
         _trainer(small_model_dir, objective="gspo", loss_norm="seq_mean"), samples
     )
@@ -175,7 +194,7 @@ def test_reinforce_pp_loss_and_gradient_equal_the_formula(small_model_dir, objec
     ref_loss, ref_grad = _reference(
         _trainer(small_model_dir).model, samples, objective, "token_mean", token_adv=adv
     )
-    assert _rel(loss, ref_loss) <= 1e-6 and _rel(grad, ref_grad) <= 1e-6
+    assert _loss_close(loss, ref_loss) and _rel(grad, ref_grad) <= 1e-6
 
 
 def test_reinforce_pp_kl_is_in_the_reward(small_model_dir):

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from rollpacker.core.config import OBJECTIVE_NAMES, TrainerConfig
-from rollpacker.core.errors import ConfigError, TrainerError
+from rollpacker.core.errors import ConfigError
 from rollpacker.trainers.objectives import OBJECTIVES, PgInputs, get_objective
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 # two samples x three tokens; ratios inside and outside [0.8, 1.28], positive and negative advantages
 LOGP = [[-1.0, -2.0, -0.5], [-3.0, -0.1, -1.2]]
-BEHAV = [[-1.1, -1.5, -0.9], [-2.5, -0.6, -1.2]]
-PROX = [[-1.05, -1.5, -0.7], [-2.9, -0.5, -1.0]]
+OLD = [[-1.1, -1.5, -0.9], [-2.5, -0.6, -1.2]]
 ADV = [1.5, -0.7]
 
 
@@ -23,17 +22,14 @@ def _clip(x: float) -> float:
     return min(max(x, 1 - EPS_LOW), 1 + EPS_HIGH)
 
 
-def _ppo(p: float, b: float, q: float, a: float) -> tuple[float, float, float]:
-    r = math.exp(p - b)
-    return -min(r * a, _clip(r) * a), r, 1.0
+def _ppo(p: float, old: float, a: float) -> tuple[float, float]:
+    r = math.exp(p - old)
+    return -min(r * a, _clip(r) * a), r
 
 
-def _decoupled(p: float, b: float, q: float, a: float) -> tuple[float, float, float]:
-    r = math.exp(p - q)
-    return -min(math.exp(p - b) * a, math.exp(q - b) * _clip(r) * a), r, math.exp(q - b)
-
-
-FORMULAS = {"ppo": _ppo, "decoupled_ppo": _decoupled}
+# decoupled PPO's per-token term is ppo's around pi_old; its behaviour weight exp(old - b) is the
+# trainer's (tests/trainers/test_decoupled_ppo.py checks the product)
+FORMULAS = {"ppo": _ppo, "decoupled_ppo": _ppo}
 
 
 def test_unknown_objective_lists_the_known_names() -> None:
@@ -60,34 +56,27 @@ def test_objective_is_its_formula(name: str) -> None:
 
     logp = t(LOGP).requires_grad_(True)
     ones = torch.ones(2, 3, dtype=torch.float64)
-    prox = t(PROX) if obj.needs_proximal else None
-    terms = obj.per_token(PgInputs(logp, t(BEHAV), t(ADV)[:, None], ones, prox, EPS_LOW, EPS_HIGH))
+    terms = obj.per_token(PgInputs(logp, t(OLD), t(ADV)[:, None], ones, EPS_LOW, EPS_HIGH))
     for i, j in ((i, j) for i in range(2) for j in range(3)):
-        loss, ratio, bw = FORMULAS[name](LOGP[i][j], BEHAV[i][j], PROX[i][j], ADV[i])
+        loss, ratio = FORMULAS[name](LOGP[i][j], OLD[i][j], ADV[i])
         assert float(terms.loss[i, j]) == pytest.approx(loss, rel=1e-12)
         assert float(terms.ratio[i, j]) == pytest.approx(ratio, rel=1e-12)
         assert float(terms.clipped_ratio[i, j]) == pytest.approx(_clip(ratio), rel=1e-12)
-        assert float(terms.behav_weight[i, j]) == pytest.approx(bw, rel=1e-12)
+    assert obj.behaviour_weighted is (name == "decoupled_ppo")
     clipped = (terms.ratio != terms.clipped_ratio).sum()
     assert 0 < int(clipped) < 6  # the example exercises both branches of the clip
     terms.loss.sum().backward()  # the loss carries the gradient to logp
     assert logp.grad is not None and bool(logp.grad.abs().sum() > 0)
 
 
-def test_decoupled_ppo_needs_the_proximal_logprobs() -> None:
-    x = torch.zeros(1, 1)
-    with pytest.raises(TrainerError, match="proximal"):
-        get_objective("decoupled_ppo").per_token(PgInputs(x, x, x, x, None, EPS_LOW, EPS_HIGH))
-
-
 def test_gspo_ratio_is_the_sequence_geometric_mean_and_clips_whole_sequences() -> None:
     # row 0: three tokens, log-ratio mean 0.3 (clipped above 1.28 with A > 0); row 1: two tokens and
     # one pad, log-ratio mean -0.05 (inside the range)
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, 0.0]], dtype=torch.float64, requires_grad=True)
-    behav = torch.tensor([[-1.3, -2.4, -0.7], [-2.8, -0.2, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.3, -2.4, -0.7], [-2.8, -0.2, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]], dtype=torch.float64)
     adv = torch.tensor([[1.5], [-0.7]], dtype=torch.float64)
-    terms = get_objective("gspo").per_token(PgInputs(logp, behav, adv, mask, None, EPS_LOW, EPS_HIGH))
+    terms = get_objective("gspo").per_token(PgInputs(logp, old, adv, mask, EPS_LOW, EPS_HIGH))
     s = [math.exp((0.3 + 0.4 + 0.2) / 3), math.exp((-0.2 + 0.1) / 2)]
     for i in range(2):
         for j in range(3 if i == 0 else 2):

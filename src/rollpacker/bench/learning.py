@@ -5,9 +5,12 @@ Runs the same experiment config for each (arm, seed), one after another on this 
 the one RL step path (``experiment.train_arm``: the stages, services in this process). Each arm
 trains the same number of samples (steps x P0 x R0). An arm is a rollout policy (``sync``,
 ``tail_batching``, ...), an algorithm under tail batching (``dapo``, ``reinforce_pp``, ``gspo``;
-GRPO is ``tail_batching`` itself) or the no-RL ``control`` (sync rollouts, every advantage 0: what
-sampling noise alone does to the held-out score). Reports validation accuracy before RL (step 0)
-and at the end, the gain in points, reward curves, seconds per step and in rollout, and the
+GRPO is ``tail_batching`` itself; ``tis`` and ``mis``: GRPO with the token-level rollout correction,
+truncated at 2 or masked outside [0.5, 2], for runs with a lower-precision engine,
+``--set engine.dtype=bfloat16``: docs/training.md) or the no-RL ``control`` (sync rollouts,
+every advantage 0: what sampling noise alone does to the held-out score). Reports validation
+accuracy before RL (step 0) and at the end, the gain in points, reward curves, the engine/trainer
+mismatch and the share of tokens corrected per step, seconds per step and in rollout, and the
 exactly-once check per arm (no prompt trained twice, every deferred prompt trained later or still
 waiting); ``plot`` draws each arm's mean over seeds with a min-max band, ``log_to_mlflow`` logs
 the plot, the report and the mean curves to one ``bench-learning`` run of the experiment.
@@ -59,6 +62,19 @@ ARMS: dict[str, dict[str, Any]] = {
         "train.clip_eps_high": 0.0004,
         "train.loss_norm": "seq_mean",
     },
+    "tis": {
+        "rollout.policy": "tail_batching",
+        "train.correction.level": "token",
+        "train.correction.mode": "truncate",
+        "train.correction.upper": 2.0,
+    },
+    "mis": {
+        "rollout.policy": "tail_batching",
+        "train.correction.level": "token",
+        "train.correction.mode": "mask",
+        "train.correction.lower": 0.5,
+        "train.correction.upper": 2.0,
+    },
 }
 COLORS = {
     "sync": "tab:blue",
@@ -71,6 +87,8 @@ COLORS = {
     "dapo": "tab:cyan",
     "reinforce_pp": "tab:brown",
     "gspo": "tab:pink",
+    "tis": "tab:gray",
+    "mis": "gold",
 }
 
 
@@ -139,6 +157,12 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
         # the off-policy degree of the trained tokens, step means over the run (0 when on-policy)
         "policy_lag_mean": _step_mean(s, "train/policy_lag"),
         "off_policy_frac_mean": _step_mean(s, "train/off_policy_frac"),
+        # the engine/trainer mismatch per step, and the share of tokens the correction changed
+        "mismatch_curve": [m.get("mismatch/abs_logp_mean", float("nan")) for m in s.step_metrics],
+        "corrected_frac_curve": [
+            m.get("correction/truncated_frac", 0.0) + m.get("correction/masked_frac", 0.0)
+            for m in s.step_metrics
+        ],
         "exactly_once": {
             "ok": once.ok,
             "prompts_trained": once.prompts_trained,
@@ -169,6 +193,12 @@ def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "policy_lag_mean": statistics.fmean(r.get("policy_lag_mean", 0.0) for r in runs),
         "off_policy_frac_mean": statistics.fmean(r.get("off_policy_frac_mean", 0.0) for r in runs),
         "exactly_once_ok": all(r["exactly_once"]["ok"] for r in runs),
+        "mismatch_mean": statistics.fmean(x for r in runs for x in r.get("mismatch_curve", []))
+        if any(r.get("mismatch_curve") for r in runs)
+        else float("nan"),
+        "corrected_frac_mean": statistics.fmean(x for r in runs for x in r.get("corrected_frac_curve", []))
+        if any(r.get("corrected_frac_curve") for r in runs)
+        else float("nan"),
     }
 
 

@@ -87,6 +87,10 @@ class TrainSample:
     policy_version: int = 0
     token_versions: tuple[int, ...] = ()  # version that sampled each token (() = policy_version)
     token_advantages: tuple[float, ...] = ()  # per-token advantages (batch scope; () = advantage)
+    # pi_old: the trainer's logprobs under the weights the step's update starts from, taken before
+    # the first of several mini-batch steps (() = the detached logprobs of the same forward;
+    # rollpacker.core.fidelity)
+    old_logprobs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.response_ids:
@@ -95,6 +99,7 @@ class TrainSample:
             ("behaviour logprobs", self.behaviour_logprobs),
             ("token versions", self.token_versions),
             ("token advantages", self.token_advantages),
+            ("old logprobs", self.old_logprobs),
         ):
             if (seq or what == "behaviour logprobs") and len(seq) != len(self.response_ids):
                 raise ValueError(

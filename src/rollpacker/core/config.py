@@ -32,6 +32,7 @@ from rollpacker.core.devices import (
 )
 from rollpacker.core.drafts import SpeculationConfig
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.fidelity import RolloutCorrectionConfig, SyncProbeConfig
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.scaledown import ScaleDownConfig
 from rollpacker.core.timeout import TimeoutConfig
@@ -367,8 +368,9 @@ class MegatronConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The policy-gradient trainer (GRPO with a PPO-clip ratio against behaviour logprobs, or the
-    decoupled PPO objective of partial rollout: docs/policies.md)."""
+    """The policy-gradient trainer (GRPO with a PPO-clip ratio around the trainer's own ``pi_old``,
+    or the decoupled PPO objective of partial rollout: docs/policies.md; rollout correction:
+    docs/training.md)."""
 
     lr: float = 3e-5  # this tiny model destabilizes at >= 1e-4 (docs/training.md)
     weight_decay: float = 0.0
@@ -384,9 +386,15 @@ class TrainerConfig:
     tokens_per_micro_batch: int = 8192  # padded tokens per forward/backward
     stream: bool = True  # gradients during rollout, one deferred update
     seed: int = 0
-    # ppo: clip(pi / pi_behav); decoupled_ppo: pi_prox / pi_behav * clip(pi / pi_prox) (AReaL);
-    # gspo: sequence-level ratio and clipping; auto: decoupled for the partial policy, ppo otherwise
+    # ppo: clip(pi / pi_old); decoupled_ppo: pi_old / pi_behav * clip(pi / pi_old) (AReaL);
+    # gspo: sequence-level ratio and clipping; auto: decoupled where tokens can be stale (partial,
+    # sorted partial, one-off), ppo otherwise (pi_old: the trainer's logprobs at the start of the
+    # update; core/fidelity.py)
     objective: str = "auto"
+    # importance weights pi_old / pi_rollout (TIS / MIS) against the engine/trainer mismatch; off
+    correction: RolloutCorrectionConfig = dataclasses.field(default_factory=RolloutCorrectionConfig)
+    # after each weight push: the engine's logprobs on probe prompts vs the trainer's (core/fidelity.py)
+    sync_probe: SyncProbeConfig = dataclasses.field(default_factory=SyncProbeConfig)
     # grpo | dr_grpo | reinforce_pp (core/advantages.py); auto: grpo, or dr_grpo when
     # scale_advantages is false
     advantage: str = "auto"
@@ -917,8 +925,12 @@ class ExperimentConfig:
         arm = self.arm(name)
         rollout = arm.apply(self.rollout)
         train = self.train
-        if train.objective == "auto":
-            decoupled = rollout.policy is PolicyName.PARTIAL
+        if train.objective == "auto":  # stale tokens get decoupled PPO's behaviour weight
+            decoupled = (
+                rollout.policy is PolicyName.PARTIAL
+                or rollout.one_off
+                or (rollout.policy is PolicyName.SORTED and rollout.sorted.mode is SortedMode.PARTIAL)
+            )
             train = dataclasses.replace(train, objective="decoupled_ppo" if decoupled else "ppo")
         return dataclasses.replace(self, rollout=rollout, train=train)
 

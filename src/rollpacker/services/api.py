@@ -46,6 +46,17 @@ class EngineSync(Message):
 
 
 @dataclass(frozen=True)
+class WeightProbe(Message):
+    """The engine's sampled tokens and their logprobs on the fixed probe prompts, taken right after
+    a weight push (``rollout.probe``); empty when no engine is up (the next sync loads the checkpoint)."""
+
+    policy_version: int
+    prompt_ids: tuple[tuple[int, ...], ...]
+    response_ids: tuple[tuple[int, ...], ...]
+    logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
 class RoundPlan(Message):
     """The round the arm's policy would run next (the plan stage reports it; the rollout stage
     plans it again from the same state, so both agree)."""
@@ -223,6 +234,10 @@ class RolloutAPI(Protocol):
     def profile(self, key: str) -> ProfileSummary: ...
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float: ...
+
+    def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
+        """Sample ``max_tokens`` tokens on the task's first ``prompts`` training prompts with the
+        served weights (seeded, at the rollout temperature): the weight-sync probe's engine side."""
 
     def holds(self, checkpoint_uri: str) -> bool:
         """Whether a live engine serves the weights ``checkpoint_uri`` names (a step between

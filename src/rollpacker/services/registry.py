@@ -69,6 +69,7 @@ from rollpacker.services.api import (
     TrainerBegin,
     TrainReport,
     Validation,
+    WeightProbe,
 )
 from rollpacker.services.base import CHECKPOINT_CACHE_ENV, Service, ServiceError, config_digest
 from rollpacker.services.reward import RewardService
@@ -270,6 +271,9 @@ class RolloutProxy(RolloutAPI):
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         return self._h.call(RolloutAPI.load_weights, policy_version, checkpoint_uri, weights)
+
+    def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
+        return self._h.call(RolloutAPI.probe, prompts, max_tokens)
 
     def holds(self, checkpoint_uri: str) -> bool:
         return self._h.call(RolloutAPI.holds, checkpoint_uri)

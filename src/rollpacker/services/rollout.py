@@ -78,6 +78,7 @@ from rollpacker.services.api import (
     RoundReport,
     ScoreItem,
     Validation,
+    WeightProbe,
 )
 from rollpacker.services.base import Service, checkpoint_cache
 from rollpacker.store.base import cached_download
@@ -292,6 +293,32 @@ class RolloutService(Service, RolloutAPI):
             self.checkpoint_uri = checkpoint_uri
             self._rounds_on_weights = 0  # the engine dropped its prefix cache with the old weights
         return time.perf_counter() - t0
+
+    def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
+        """The weight-sync probe's engine side: ``max_tokens`` seeded samples (EOS ignored) on the
+        task's first ``prompts`` training prompts with the served weights (core/fidelity.py)."""
+        with self._round_lock:
+            if self._drop_if_dead("probe") or self.engine is None:
+                return WeightProbe(self.policy_version, (), (), ())  # the next sync loads the checkpoint
+            chosen = self.data().train_prompts[:prompts]
+            sp = SamplingSpec(
+                max_tokens=max_tokens,
+                temperature=self.cfg.rollout.temperature,
+                seed=self.cfg.seed,
+                ignore_eos=True,
+            )
+            reqs = sample_requests(chosen, 1, sp, f"probe/{self.arm}/v{self.policy_version}")
+            try:
+                comps = generate(self.engine, reqs)
+            except BaseException:
+                self._drop_if_dead("probe")
+                raise
+        return WeightProbe(
+            policy_version=self.policy_version,
+            prompt_ids=tuple(p.token_ids for p in chosen),
+            response_ids=tuple(c.token_ids for c in comps),
+            logprobs=tuple(c.logprobs for c in comps),
+        )
 
     def holds(self, checkpoint_uri: str) -> bool:
         with self._round_lock:

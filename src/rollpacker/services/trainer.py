@@ -60,7 +60,9 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.core.advantages import TrainSample
+from rollpacker.core.config import TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.fidelity import fidelity_metrics, probe_bound, probe_gap
 from rollpacker.core.metrics import policy_lag
 from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
@@ -346,6 +348,38 @@ class TrainerService(Service, TrainerAPI):
             log.warning("trainer: %s; pushing the weights to the rebuilt rollout service", e)
             self.peers.rollout().load_weights(self.trainer.policy_version, uri, weights)
 
+    def _probe_sync(self) -> dict[str, float]:
+        """The weight-sync probe: the engine's logprobs on the probe prompts against the trainer's
+        on the same tokens; ``sync/probe_logprob_gap``, or a ``TrainerError`` naming the gap when
+        it passes the bound the two precisions set (core/fidelity.py). Nothing when off or when no
+        engine is up."""
+        pc = self.cfg.train.sync_probe
+        if not pc.enabled:
+            return {}
+        t0 = time.perf_counter()
+        got = self.peers.rollout().probe(pc.prompts, pc.max_tokens)
+        if not got.response_ids:
+            return {}
+        samples = [
+            TrainSample(f"probe/{i}", f"probe/{i}", p, r, lp, 0.0, 0.0)
+            for i, (p, r, lp) in enumerate(zip(got.prompt_ids, got.response_ids, got.logprobs, strict=True))
+        ]
+        gap = probe_gap(self.trainer.logprobs(samples), [list(lp) for lp in got.logprobs])
+        engine_dtype, train_dtype = self.cfg.engine.dtype, _train_dtype(self.cfg.train)
+        bound = probe_bound(pc, engine_dtype, train_dtype)
+        pushed = self.trainer.policy_version
+        if not gap <= bound or got.policy_version != pushed:
+            raise TrainerError(
+                f"weight-sync probe failed after pushing policy version {pushed}: "
+                f"sync/probe_logprob_gap = {gap:.3g} (mean |trainer - engine| logprob over "
+                f"{sum(len(r) for r in got.response_ids)} probe tokens), bound {bound:.3g} "
+                f"({engine_dtype} engine, {train_dtype} trainer), engine at version {got.policy_version}: "
+                "the engine serves other weights than the trainer's (a stale or half-loaded weight push). "
+                "The step fails before any rollout on them; check the push (weights/sync_s, the rollout "
+                "service's log) or raise train.sync_probe.bound if the precisions differ more"
+            )
+        return {"sync/probe_logprob_gap": gap, "sync/probe_s": time.perf_counter() - t0}
+
     def _update(
         self, samples: int, wait_s: float, keys: tuple[str, str], pending_uri: str, store: bool
     ) -> TrainReport:
@@ -373,6 +407,7 @@ class TrainerService(Service, TrainerAPI):
         t_sync = time.perf_counter()
         self._push_weights(uri, weights)
         sync_s = time.perf_counter() - t_sync
+        probe = self._probe_sync()  # before any rollout on the pushed weights
         gather_s = t_sync - t_gather
         st = report.stats
         return TrainReport(
@@ -393,10 +428,12 @@ class TrainerService(Service, TrainerAPI):
                 "train/clip_frac": st.clip_frac,
                 "train/ratio_mean": st.ratio_mean,
                 "train/kl": st.kl,
+                **fidelity_metrics(st.fidelity),  # mismatch/*, correction/* (core/fidelity.py)
                 "train/checkpoint_s": ckpt_s,
                 "train/checkpoint_stored": float(store),
                 "weights/sync_s": sync_s,
                 "sync/weights_s": gather_s + sync_s,  # gather (TP/PP shards to HF names) + push
+                **probe,
                 **devices,
             },
         )
@@ -421,6 +458,11 @@ class TrainerService(Service, TrainerAPI):
 
 
 _HAS_AFFINITY = hasattr(os, "sched_getaffinity")
+
+
+def _train_dtype(cfg: TrainerConfig) -> str:
+    """The dtype the trainer computes logprobs in (the megatron gang's, or the torch backend's)."""
+    return cfg.megatron.dtype if cfg.backend == "megatron" else cfg.dtype
 
 
 def _cores(devices: tuple[str, ...]) -> frozenset[int] | None:

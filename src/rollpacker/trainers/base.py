@@ -22,7 +22,7 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,7 +51,12 @@ class TrainStats:
     policy_version: int  # after the step
     seconds: float
     optimizer_steps: int = 1
-    behav_weight: float = 1.0  # decoupled PPO: mean pi_prox / pi_behav over tokens (1 with ppo)
+    # mean importance weight over tokens (decoupled PPO's pi_old / pi_behav, or the rollout
+    # correction's; 1 with neither)
+    behav_weight: float = 1.0
+    # the engine/trainer mismatch sums of the trained tokens (core.fidelity.sum_keys; metrics:
+    # core.fidelity.fidelity_metrics); empty when nothing was trained
+    fidelity: dict[str, float] = field(default_factory=dict)
 
 
 def zero_update(policy_version: int, seconds: float) -> TrainStats:

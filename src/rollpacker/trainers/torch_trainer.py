@@ -1,22 +1,22 @@
 """GRPO / PPO-clip trainer on plain torch, with the stream trainer's deferred, exact update.
 
-Per response token ``t`` of sample ``i`` (advantage ``A_i``, behaviour logprob ``b``, current
-logprob ``p`` under ``logits / temperature``), ``l_pg`` is the ``train.objective``'s per-token loss,
-found through the registry in ``rollpacker.trainers.objectives`` (each file holds its formula):
+Per response token ``t`` of sample ``i`` (advantage ``A_i``, current logprob ``p`` under
+``logits / temperature``, old logprob ``old``, engine logprob ``b``; ``rollpacker.core.fidelity``
+says which plays which role), ``l_pg`` is the ``train.objective``'s per-token loss, found through
+the registry in ``rollpacker.trainers.objectives`` (each file holds its formula):
 
-    ratio = exp(p - b)
-    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)        (objectives/ppo.py)
+    ratio = exp(p - old)
+    l_pg  = -min(ratio * A_i, clip(ratio, 1 - eps_low, 1 + eps_high) * A_i)      (objectives/ppo.py)
 
-or, with the decoupled objective of partial rollout (AReaL; ``q`` = proximal logprob, the logprob
-under the weights the update starts from, taken without gradient; objectives/decoupled_ppo.py):
+times the importance weight ``w`` of ``train.correction`` (``trainers/correction.py``: a function
+of ``old - b``, detached; 1 when off, and decoupled PPO's raw ``exp(old - b)`` when off with
+``decoupled_ppo``). ``old`` is the trainer's own logprob under the weights the update starts from:
+every streamed gradient is computed before the one update, so it is the detached ``p`` of the same
+forward; the monolithic path with several mini-batches takes every sample's ``old`` before its
+first optimizer step (``TrainSample.old_logprobs``). Then, with ``q`` the reference logprob:
 
-    l_pg  = -min(exp(p - b) * A_i, exp(q - b) * clip(exp(p - q), 1 - eps_low, 1 + eps_high) * A_i)
-
-The proximal policy is the current weights: every streamed gradient is computed before the one
-update, so ``q`` is the detached ``p`` of the same forward; the monolithic path with several
-mini-batches takes every sample's ``q`` before its first optimizer step.
     l_kl  = exp(q - p) - (q - p) - 1          (k3 estimator, q = reference logprob; kl_coef > 0)
-    l     = l_pg + kl_coef * l_kl
+    l     = w * l_pg + kl_coef * l_kl
 
 and the loss is ``(1 / D) * sum_i sum_t w_i * l`` (``rollpacker.core.stream_math``). ``A`` is
 per token where the advantage estimator gives per-token advantages (``train.advantage:
@@ -29,7 +29,8 @@ Invariants:
 - ``accumulate`` never touches weights or optimizer state (only ``.grad``);
 - the gradient after ``reduce_grads`` is the monolithic batch's gradient for any chunking and
   order (tests/trainers/test_stream_exactness.py: <= 1e-6 relative in float64, <= 1e-5 float32);
-- a checkpoint restores weights, optimizer moments, RNG state and ``policy_version`` exactly.
+- a checkpoint restores weights, optimizer moments, RNG state and ``policy_version`` exactly;
+- a step's mismatch sums (``TrainStats.fidelity``) are the merge of its chunks' sums.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ from rollpacker.core.advantages import (
 from rollpacker.core.config import TrainerConfig
 from rollpacker.core.devices import resolve_device
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
+from rollpacker.trainers.correction import correction_weights, mismatch_sums
 from rollpacker.trainers.objectives import PgInputs, get_objective
 
 CHECKPOINT_VERSION = 1
@@ -138,7 +141,6 @@ class TorchTrainer:
         # ``auto`` is resolved per arm (ExperimentConfig.for_arm); unresolved, it trains with ppo
         self.objective = get_objective("ppo" if cfg.objective == "auto" else cfg.objective)
         self.estimator = get_advantage_estimator(cfg.advantage_estimator)
-        self._prox: dict[str, list[float]] = {}  # sample id -> proximal logprobs (mini-batches)
         self._lock = threading.Lock()
         self._reset_accum()
 
@@ -150,6 +152,7 @@ class TorchTrainer:
         self._acc_ratio = 0.0
         self._acc_kl = 0.0
         self._acc_bw = 0.0
+        self._acc_fid: dict[str, float] = {}
         self._acc_seconds = 0.0
         self.model.zero_grad(set_to_none=True)
 
@@ -176,6 +179,7 @@ class TorchTrainer:
                 self._acc_ratio += float(out["ratio_sum"])
                 self._acc_kl += float(out["kl_sum"])
                 self._acc_bw += float(out["bw_sum"])
+                self._acc_fid = merge_sums(self._acc_fid, {k: float(out[k]) for k in sum_keys()})
                 tokens += sum(s.num_tokens for s in mb)
             self._acc_lengths.extend(s.num_tokens for s in samples)
             self._acc_loss += loss_sum
@@ -220,6 +224,7 @@ class TorchTrainer:
                 policy_version=self.policy_version,
                 seconds=self._acc_seconds + time.perf_counter() - t0,
                 behav_weight=self._acc_bw / n_tok,
+                fidelity=dict(self._acc_fid),
             )
             self._reset_accum()
         return stats
@@ -235,16 +240,12 @@ class TorchTrainer:
             samples = self.batch_advantages(samples, returns, ReturnStats.of(returns))
         k = min(self.cfg.mini_batches, len(samples))
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
-        # the proximal policy is the weights before the first step
-        if self.objective.needs_proximal and k > 1:
-            self._prox = dict(zip((s.sample_id for s in samples), self.logprobs(samples), strict=True))
+        if k > 1:  # pi_old is the weights before the first step, for every mini-batch
+            samples = with_old_logprobs(samples, self.logprobs(samples))
         steps = []
-        try:
-            for a, b in itertools.pairwise(bounds):
-                self.accumulate(samples[a:b])
-                steps.append(self.finish_step())
-        finally:
-            self._prox = {}
+        for a, b in itertools.pairwise(bounds):
+            self.accumulate(samples[a:b])
+            steps.append(self.finish_step())
         n = len(steps)
         return TrainStats(
             samples=sum(s.samples for s in steps),
@@ -258,6 +259,7 @@ class TorchTrainer:
             seconds=sum(s.seconds for s in steps),
             optimizer_steps=n,
             behav_weight=sum(s.behav_weight * s.tokens for s in steps) / sum(s.tokens for s in steps),
+            fidelity=merged_fidelity(steps),
         )
 
     # -- batch-scope advantages (REINFORCE++: core/advantages.py) -------------------------------
@@ -316,20 +318,14 @@ class TorchTrainer:
         w = torch.tensor(
             [token_weight(self.norm, s.num_tokens) for s in mb], dtype=logp.dtype, device=self.device
         )[:, None]
-        prox = None
-        if self.objective.needs_proximal:
-            if self._prox:
-                prox = torch.tensor(
-                    [self._prox[s.sample_id] + [0.0] * (width - s.num_tokens) for s in mb],
-                    dtype=logp.dtype,
-                    device=self.device,
-                )
-            else:  # streamed: no update before finish_step, so the current weights are proximal
-                prox = logp.detach()
+        old = _old_logprobs(mb, logp, width)
         terms = self.objective.per_token(
-            PgInputs(logp, behaviour, adv, mask, prox, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
+            PgInputs(logp, old, adv, mask, self.cfg.clip_eps_low, self.cfg.clip_eps_high)
         )
-        pg, ratio, clipped_ratio, bw = terms.loss, terms.ratio, terms.clipped_ratio, terms.behav_weight
+        bw, counts = correction_weights(
+            self.cfg.correction, old, behaviour, mask, raw_token=self.objective.behaviour_weighted
+        )
+        pg, ratio, clipped_ratio = terms.loss * bw, terms.ratio, terms.clipped_ratio
         per_tok = pg
         kl = torch.zeros_like(pg)
         if self.ref_model is not None and self.cfg.kl_coef > 0:
@@ -350,6 +346,8 @@ class TorchTrainer:
             "ratio_sum": ratio_sum,
             "kl_sum": kl_sum,
             "bw_sum": bw_sum,
+            **mismatch_sums(old, behaviour, mask),
+            **counts,
         }
 
     @torch.no_grad()
@@ -438,6 +436,30 @@ class TorchTrainer:
         self.policy_version = int(meta["policy_version"])
         self.optimizer_steps = int(meta["optimizer_steps"])
         self._reset_accum()
+
+
+def _old_logprobs(mb: Sequence[TrainSample], logp: torch.Tensor, width: int) -> torch.Tensor:
+    """``pi_old`` [B, R]: the samples' ``old_logprobs`` (taken before the first of several
+    mini-batch steps) or, without them, the detached logprobs of this forward (one update)."""
+    if not any(s.old_logprobs for s in mb):
+        return logp.detach()
+    if not all(s.old_logprobs for s in mb):
+        raise TrainerError("a micro-batch mixes samples with and without old logprobs: set them on all")
+    rows = [list(s.old_logprobs) + [0.0] * (width - s.num_tokens) for s in mb]
+    return torch.tensor(rows, dtype=logp.dtype, device=logp.device)
+
+
+def with_old_logprobs(samples: Sequence[TrainSample], old: Sequence[Sequence[float]]) -> list[TrainSample]:
+    """The samples carrying ``pi_old`` (the logprobs before the first mini-batch step)."""
+    return [dataclasses.replace(s, old_logprobs=tuple(q)) for s, q in zip(samples, old, strict=True)]
+
+
+def merged_fidelity(steps: Sequence[TrainStats]) -> dict[str, float]:
+    """The mismatch sums of several optimizer steps' samples, as one batch's."""
+    out: dict[str, float] = {}
+    for st in steps:
+        out = merge_sums(out, st.fidelity)
+    return out
 
 
 def _micro_batches(

@@ -47,13 +47,14 @@ import torch
 from rollpacker.core.advantages import TrainSample, get_advantage_estimator
 from rollpacker.core.config import StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.memory import MemoryPlan, check_fits
 from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
 from rollpacker.store.base import ObjectStore
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
-from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES
+from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES, merged_fidelity, with_old_logprobs
 
 CHECKPOINT_VERSION = 1
 
@@ -235,9 +236,9 @@ class MegatronTrainer:
         got = self._get(refs, "accumulate")
         loss_sum = 0.0
         for h in heads:
-            for k, v in got[h].items():
-                if k != "seconds":
-                    self._acc[k] += v
+            self._acc = defaultdict(
+                float, merge_sums(self._acc, {k: v for k, v in got[h].items() if k != "seconds"})
+            )
             loss_sum += got[h]["loss_sum"]
         self._lengths.extend(s.num_tokens for s in samples)
         dt = time.perf_counter() - t0
@@ -268,6 +269,7 @@ class MegatronTrainer:
             policy_version=self.policy_version,
             seconds=a["seconds"] + time.perf_counter() - t0,
             behav_weight=a["bw_sum"] / n_tok,
+            fidelity={k: a[k] for k in sum_keys()},
         )
         self._reset_accum()
         return stats
@@ -277,8 +279,8 @@ class MegatronTrainer:
         if not samples:
             raise TrainerError("train_batch got no samples")
         k = min(self.cfg.mini_batches, len(samples))
-        if k > 1 and self.cfg.objective == "decoupled_ppo":
-            raise TrainerError("decoupled_ppo with mini_batches > 1 is not supported by the megatron backend")
+        if k > 1:  # pi_old is the weights before the first step, for every mini-batch
+            samples = with_old_logprobs(samples, self.logprobs(samples))
         bounds = [round(i * len(samples) / k) for i in range(k + 1)]
         steps = []
         for a, b in itertools.pairwise(bounds):
@@ -297,6 +299,7 @@ class MegatronTrainer:
             seconds=sum(s.seconds for s in steps),
             optimizer_steps=len(steps),
             behav_weight=sum(s.behav_weight * s.tokens for s in steps) / tok,
+            fidelity=merged_fidelity(steps),
         )
 
     def logprobs(self, samples: Sequence[TrainSample]) -> list[list[float]]:

@@ -35,6 +35,7 @@ import torch
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.config import StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
+from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.stream_math import LossNorm
 from rollpacker.trainers.megatron.convert import Qwen2Layout, gather_tp, to_hf, to_mcore
 from rollpacker.trainers.objectives import get_objective
@@ -78,7 +79,7 @@ class _LossView:
 
     def __init__(self, owner: RankWorker, logp: torch.Tensor, mask: torch.Tensor) -> None:
         self.cfg, self.norm, self.objective = owner.cfg, owner.norm, owner.objective
-        self.device, self._prox = logp.device, {}
+        self.device = logp.device
         self._logp, self._mask = logp, mask
 
     def _forward_logprobs(self, model: Any, mb: Sequence[TrainSample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +248,7 @@ class RankWorker:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._acc = {"loss_sum": 0.0, "clipped": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "bw_sum": 0.0}
+        self._acc.update(dict.fromkeys(sum_keys(), 0.0))
 
     # -- forward/backward -------------------------------------------------------------------------
     def _run(self, samples: Sequence[TrainSample], forward_only: bool) -> list[dict[str, Any]]:
@@ -331,9 +333,10 @@ class RankWorker:
         """Collective over this rank's DP replica (its TP and PP ranks); no DP communication."""
         t0 = time.perf_counter()
         outs = self._run(samples, forward_only=False)
-        got = {k: sum(o[k] for o in outs) for k in self._acc}
-        for k, v in got.items():
-            self._acc[k] += v
+        got: dict[str, float] = {}
+        for o in outs:
+            got = merge_sums(got, {k: o[k] for k in self._acc})
+        self._acc = merge_sums(self._acc, got)
         return {**got, "seconds": time.perf_counter() - t0}
 
     def logprobs(self, samples: list[TrainSample]) -> list[list[float]]:

@@ -1,6 +1,6 @@
 """Policy-gradient objectives by ``train.objective`` name, one short file each (formula in its
-docstring): ``ppo`` (``ppo.py``: PPO-clip against the behaviour policy; GRPO's, Dr. GRPO's, DAPO's
-and REINFORCE++'s loss), ``decoupled_ppo`` (``decoupled_ppo.py``: AReaL's, for partial rollout) and
+docstring): ``ppo`` (``ppo.py``: PPO-clip around ``pi_old``; GRPO's, Dr. GRPO's, DAPO's and
+REINFORCE++'s loss), ``decoupled_ppo`` (``decoupled_ppo.py``: AReaL's, for partial rollout) and
 ``gspo`` (``gspo.py``: sequence-level ratio and clipping). The advantage estimators are the other
 half of an algorithm (``rollpacker.core.advantages``, ``train.advantage``); docs/training.md maps
 algorithm names to the two.

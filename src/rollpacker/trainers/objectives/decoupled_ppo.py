@@ -1,31 +1,22 @@
 """Decoupled PPO of partial rollout (AReaL; ``train.objective: decoupled_ppo``).
 
-Per response token (advantage ``A``, behaviour logprob ``b``, current logprob ``p``, proximal
-logprob ``q``: the logprob under the weights the update starts from, taken without gradient):
+Per response token (advantage ``A``, behaviour logprob ``b`` from the engine, current logprob ``p``,
+old (proximal) logprob ``old``: the trainer's logprob under the weights the update starts from,
+taken without gradient):
 
-    l_pg = -min(exp(p - b) * A, exp(q - b) * clip(exp(p - q), 1 - eps_low, 1 + eps_high) * A)
+    l_pg = -min(exp(p - b) * A, exp(old - b) * clip(exp(p - old), 1 - eps_low, 1 + eps_high) * A)
+         = -exp(old - b) * min(exp(p - old) * A, clip(exp(p - old)) * A)
 
-The clipped ratio is ``exp(p - q)`` (the trust region is around the proximal policy) and the
-behaviour weight is ``exp(q - b)`` (importance weight of the stale tokens, no gradient). With
-``q == b`` it is ``ppo``.
+(``exp(old - b) > 0`` factors out of the ``min``). So the objective is ``ppo``'s clipped term
+around ``pi_old``, times the behaviour weight ``w = exp(old - b)`` (importance weight of stale
+tokens, no gradient), which the trainer applies (``behaviour_weighted``): the raw ``w`` with
+``train.correction.level: none``, the corrected one (truncated or masked) otherwise. With
+``old == b`` it is ``ppo``.
 """
 
 from __future__ import annotations
 
-import torch
+from rollpacker.trainers.objectives import ppo
+from rollpacker.trainers.objectives.base import Objective
 
-from rollpacker.core.errors import TrainerError
-from rollpacker.trainers.objectives.base import Objective, PgInputs, PgTerms
-
-
-def per_token(x: PgInputs) -> PgTerms:
-    if x.proximal is None:
-        raise TrainerError("decoupled_ppo needs the proximal logprobs: pass q (the detached logprobs)")
-    behav_weight = torch.exp(x.proximal - x.behaviour)  # pi_prox / pi_behav, no gradient
-    ratio = torch.exp(x.logp - x.proximal)
-    c = x.clip(ratio)
-    loss = -torch.minimum(torch.exp(x.logp - x.behaviour) * x.advantage, behav_weight * c * x.advantage)
-    return PgTerms(loss, ratio, c, behav_weight)
-
-
-OBJECTIVE = Objective("decoupled_ppo", per_token, needs_proximal=True)
+OBJECTIVE = Objective("decoupled_ppo", ppo.per_token, behaviour_weighted=True)

@@ -2,9 +2,9 @@
 
 The importance ratio is the sequence's, length-normalized (the geometric mean of its token ratios),
 and clipping acts on whole sequences. For response ``i`` of ``|y_i|`` tokens (current logprob
-``p``, behaviour logprob ``b``, advantage ``A_i``):
+``p``, old logprob ``old`` under the weights the update starts from, advantage ``A_i``):
 
-    s_i  = exp( (1 / |y_i|) * sum_t (p_t - b_t) )
+    s_i  = exp( (1 / |y_i|) * sum_t (p_t - old_t) )
     l_i  = -min(s_i * A_i, clip(s_i, 1 - eps_low, 1 + eps_high) * A_i)
 
 Written per token in the GSPO-token form, ``s_{i,t} = sg[s_i] * exp(p_t - sg[p_t])`` (``sg``: no
@@ -25,8 +25,8 @@ from rollpacker.trainers.objectives.base import Objective, PgInputs, PgTerms, cl
 
 def per_token(x: PgInputs) -> PgTerms:
     lengths = x.mask.sum(1, keepdim=True).clamp(min=1)
-    log_s = ((x.logp - x.behaviour) * x.mask).sum(1, keepdim=True) / lengths  # [B, 1]
+    log_s = ((x.logp - x.old) * x.mask).sum(1, keepdim=True) / lengths  # [B, 1]
     return clipped(x, torch.exp(log_s.detach() + x.logp - x.logp.detach()))  # value s_i at every token
 
 
-OBJECTIVE = Objective("gspo", per_token, needs_proximal=False)
+OBJECTIVE = Objective("gspo", per_token)
