@@ -7,9 +7,12 @@ architecture, TP dividing heads and KV heads, PP dividing the layers), reserves 
 bundles, starts one ``RankWorker`` actor per bundle and joins them into one torch.distributed world
 (gloo on CPU, NCCL on GPU).
 
-Stream training across DP replicas: ``accumulate`` hands each group (all samples of one prompt) to
-the replica with the fewest tokens so far this step (every TP rank and PP stage of that replica
-gets the same samples); no DP communication happens until ``finish_step``, which computes the
+Stream training across DP replicas: the stream trainer keeps every replica busy at once, one
+dispatch thread per replica calling ``accumulate_on(replica, group)`` (it hands each group, all
+samples of one prompt, to the replica with the fewest tokens still to compute,
+``trainers/stream.py``); ``accumulate`` spreads a chunk's groups over the replicas with the fewest
+tokens so far this step and runs them together. Every TP rank and PP stage of a replica gets the
+same samples, in the same order; no DP communication happens until ``finish_step``, which computes the
 batch's denominator ``D`` from every accumulated length (``core/stream_math.py``) and has every rank
 reduce once, scale by ``1 / D`` and step. The update is therefore the monolithic one whichever
 replica got which group, in whatever order.
@@ -36,6 +39,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -106,6 +110,9 @@ class MegatronTrainer:
         self.optimizer_steps = 0
         self.broken = ""
         self._saved: tuple[int, dict[str, Any]] | None = None  # the weights save_checkpoint gathered
+        self._lock = (
+            threading.Lock()
+        )  # the step's sums: the stream trainer accumulates from a thread per replica
         self._pg: Any = None
         self.actors: list[Any] = []
         self._start()
@@ -216,14 +223,34 @@ class MegatronTrainer:
             groups[s.prompt_id].append(s)
         out: list[list[TrainSample]] = [[] for _ in range(self.dp)]
         for g in sorted(groups.values(), key=lambda g: -sum(len(s.prompt_ids) + s.num_tokens for s in g)):
-            d = min(range(self.dp), key=lambda r: (self._tokens[r], r))
+            with self._lock:
+                d = min(range(self.dp), key=lambda r: (self._tokens[r], r))
+                self._tokens[d] += sum(len(s.prompt_ids) + s.num_tokens for s in g)
             out[d].extend(g)
-            self._tokens[d] += sum(len(s.prompt_ids) + s.num_tokens for s in g)
         return out
 
+    @property
+    def replicas(self) -> int:
+        return self.dp
+
     def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats:
+        """The chunk's groups spread over the replicas by tokens (``_place``), all at once."""
+        return self._accumulate(self._place(samples), time.perf_counter())
+
+    def accumulate_on(self, replica: int, samples: Sequence[TrainSample]) -> AccumStats:
+        """The chunk on DP replica ``replica`` alone (its TP and PP ranks); the stream trainer calls
+        this from one thread per replica at once, so every replica computes at the same time."""
         t0 = time.perf_counter()
-        parts = self._place(samples)
+        if not 0 <= replica < self.dp:
+            raise TrainerError(f"accumulate_on replica {replica}: the gang has replicas 0..{self.dp - 1}")
+        parts: list[list[TrainSample]] = [[] for _ in range(self.dp)]
+        parts[replica] = list(samples)
+        with self._lock:
+            self._tokens[replica] += sum(len(s.prompt_ids) + s.num_tokens for s in samples)
+        return self._accumulate(parts, t0)
+
+    def _accumulate(self, parts: list[list[TrainSample]], t0: float) -> AccumStats:
+        """``parts[d]`` on replica ``d``'s ranks, waited for together; the heads' sums recorded."""
         refs, heads = [], []
         for d, part in enumerate(parts):
             if not part:
@@ -233,15 +260,17 @@ class MegatronTrainer:
                 if i == self._head(d):
                     heads.append(len(refs) - 1)
         got = self._get(refs, "accumulate")
-        loss_sum = 0.0
-        for h in heads:
-            for k, v in got[h].items():
-                if k != "seconds":
-                    self._acc[k] += v
-            loss_sum += got[h]["loss_sum"]
-        self._lengths.extend(s.num_tokens for s in samples)
+        samples = [s for part in parts for s in part]
         dt = time.perf_counter() - t0
-        self._acc["seconds"] += dt
+        loss_sum = 0.0
+        with self._lock:  # one thread per replica records here
+            for h in heads:
+                for k, v in got[h].items():
+                    if k != "seconds":
+                        self._acc[k] += v
+                loss_sum += got[h]["loss_sum"]
+            self._lengths.extend(s.num_tokens for s in samples)
+            self._acc["seconds"] += dt
         return AccumStats(len(samples), sum(s.num_tokens for s in samples), loss_sum, dt)
 
     def finish_step(self) -> TrainStats:
