@@ -29,3 +29,14 @@ def test_a_transfer_group_needs_a_sender_and_a_worker() -> None:
     for bad in ({"rank_offset": 0}, {"rank_offset": 3}, {"backend": "mpi"}, {"port": 0}):
         with pytest.raises(ConfigError):
             TransferGroup(**{**g.__dict__, **bad})
+
+
+def test_train_weight_sync_names_the_paths_and_refuses_the_megatron_gang() -> None:
+    from rollpacker.core.config import TrainerConfig
+
+    assert TrainerConfig().weight_sync == "object_store"  # the fallback is the default
+    assert TrainerConfig(weight_sync="collective").weight_sync == "collective"
+    with pytest.raises(ConfigError, match=r"train.weight_sync = 'nccl'.*object_store, collective"):
+        TrainerConfig(weight_sync="nccl")
+    with pytest.raises(ConfigError, match=r"megatron.*use weight_sync: object_store"):
+        TrainerConfig(weight_sync="collective", backend="megatron")

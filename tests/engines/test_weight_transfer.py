@@ -79,6 +79,12 @@ def test_a_corrupted_bucket_is_refused_by_index_and_nothing_after_it_loads(monke
         wt.check_report(recv, "push")
 
 
+def test_a_worker_loads_in_place_only_where_vllm_keeps_the_checkpoint_layout() -> None:
+    assert wt.loads_in_place("cuda", None)  # the receive buffer and one copy: 2 full copies
+    assert not wt.loads_in_place("cpu", None)  # vLLM on CPU repacks its GEMM weights
+    assert not wt.loads_in_place("cuda", "fp8")  # quantized weights are processed after loading
+
+
 @pytest.mark.slow
 def test_a_collective_push_into_vllm_serves_the_trainers_weights(tmp_path: Any) -> None:
     """One tiny engine (~1-2 min to start here): the collective push loads the same parameters as

@@ -18,8 +18,11 @@ CUDA only, and checks nothing on arrival. Ours is plain ``torch.distributed`` on
 - a push is a stream of buckets of at most ``bucket_bytes``: each bucket's ``BucketHeader`` (names,
   dtypes, shapes, digest) is broadcast, then each tensor, straight from the trainer's parameter
   (no packing copy); the worker allocates the bucket, receives it, recomputes the digest and loads
-  it (``model.load_weights`` inside vLLM's layerwise reload, which restores kernel layouts such as
-  oneDNN's on CPU) before the next bucket arrives, so it never holds more than a bucket in flight;
+  it before the next bucket arrives, so it never holds more than a bucket in flight: on CUDA with
+  an unquantized model straight into the parameters (``model.load_weights``: the receive buffer
+  and one copy, the two full-model copies of a push), elsewhere inside vLLM's layerwise reload,
+  which restores the layouts its kernels repacked (CPU GEMM weights, quantized ones) and re-runs
+  the post-load processing (``loads_in_place``);
 - a digest that disagrees fails the push naming the bucket; the worker drains the rest of the
   stream without loading it, so both sides stay aligned, and the engine must then be reloaded
   from the checkpoint (the object-store path) before it samples again;
@@ -225,6 +228,15 @@ def receive(pg: Any, device: Any, load: Callable[[list[tuple[str, Any]]], Any]) 
     return PushReport(n_b, n_t, payload, head, payload, time.perf_counter() - t0, error)
 
 
+def loads_in_place(device_type: str, quantization: str | None) -> bool:
+    """Whether a worker loads each bucket straight into its parameters (``model.load_weights``:
+    one copy) rather than through vLLM's layerwise reload. On CUDA an unquantized model keeps its
+    parameters in checkpoint layout, so the direct load is exact (as verl and slime load them); on
+    CPU vLLM repacks linear weights for its GEMM kernels after loading, and a quantized model's
+    are processed too: the reload restores those layouts and re-runs the processing."""
+    return device_type == "cuda" and not quantization
+
+
 def worker_rank(parallel_config: Any) -> int:
     """A vLLM worker's rank among all the engine's workers (every DP replica, TP x PP each)."""
     dp = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
@@ -267,6 +279,7 @@ def vllm_engine_class() -> type:
             super().__init__(*args)
             self.pg: Any = None
             self.report: PushReport | None = None
+            self.in_place = False
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             group = TransferGroup.from_json(init_info.group, where="weight transfer group")
@@ -275,7 +288,9 @@ def vllm_engine_class() -> type:
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-            initialize_layerwise_reload(self.model)
+            self.in_place = loads_in_place(self.device.type, self.model_config.quantization)
+            if not self.in_place:
+                initialize_layerwise_reload(self.model)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             if self.pg is None:
@@ -286,7 +301,8 @@ def vllm_engine_class() -> type:
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            if not self.in_place:
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
 
         def shutdown(self) -> None:
             self.pg = None

@@ -47,6 +47,7 @@ from rollpacker.core.placement import (
 )
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
+from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.devservices import local_ray_address
 from rollpacker.services.api import (
     Anchors,
@@ -69,6 +70,8 @@ from rollpacker.services.api import (
     TrainerBegin,
     TrainReport,
     Validation,
+    WeightPeer,
+    WeightPush,
 )
 from rollpacker.services.base import Service, ServiceError, config_digest
 from rollpacker.services.reward import RewardService
@@ -270,6 +273,15 @@ class RolloutProxy(RolloutAPI):
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         return self._h.call(RolloutAPI.load_weights, policy_version, checkpoint_uri, weights)
+
+    def weight_peer(self, port: int) -> WeightPeer:
+        return self._h.call(RolloutAPI.weight_peer, port)
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        self._h.call(RolloutAPI.init_weight_transfer, group)
+
+    def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
+        return self._h.call(RolloutAPI.receive_weights, policy_version, checkpoint_uri)
 
     def holds(self, checkpoint_uri: str) -> bool:
         return self._h.call(RolloutAPI.holds, checkpoint_uri)
