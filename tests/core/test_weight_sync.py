@@ -31,12 +31,15 @@ def test_a_transfer_group_needs_a_sender_and_a_worker() -> None:
             TransferGroup(**{**g.__dict__, **bad})
 
 
-def test_train_weight_sync_names_the_paths_and_refuses_the_megatron_gang() -> None:
+def test_train_weight_sync_names_the_paths_and_refuses_a_pipelined_gang() -> None:
     from rollpacker.core.config import TrainerConfig
 
     assert TrainerConfig().weight_sync == "object_store"  # the fallback is the default
     assert TrainerConfig(weight_sync="collective").weight_sync == "collective"
     with pytest.raises(ConfigError, match=r"train.weight_sync = 'nccl'.*object_store, collective"):
         TrainerConfig(weight_sync="nccl")
-    with pytest.raises(ConfigError, match=r"megatron.*use weight_sync: object_store"):
-        TrainerConfig(weight_sync="collective", backend="megatron")
+    from rollpacker.core.config import MegatronConfig
+
+    TrainerConfig(weight_sync="collective", backend="megatron", megatron=MegatronConfig(tp=2, dp=2))
+    with pytest.raises(ConfigError, match=r"megatron.pp = 2.*use pp: 1 or weight_sync: object_store"):
+        TrainerConfig(weight_sync="collective", backend="megatron", megatron=MegatronConfig(pp=2))

@@ -368,9 +368,11 @@ class TrainerService(Service, TrainerAPI):
                 self._wt = self._open_transfer(peer.workers)
             with ThreadPoolExecutor(max_workers=1) as ex:
                 got = ex.submit(rollout.receive_weights, self.trainer.policy_version, uri)
-                sent = wt.send(
-                    self._wt[0], self.trainer.weights(), _bucket_bytes(self.cfg), self.trainer.device
-                )
+                if self._wt[0] is None:  # the megatron gang: its (tp 0, dp 0) rank sends
+                    sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
+                else:
+                    named = self.trainer.weights()
+                    sent = wt.send(self._wt[0], named, _bucket_bytes(self.cfg), self.trainer.device)
                 push = got.result(timeout=self.cfg.services.call_timeout_s)
         except Exception as e:
             self._wt = None
@@ -383,19 +385,26 @@ class TrainerService(Service, TrainerAPI):
                 f"collective weight push: sent {sent.payload_bytes} bytes, the engine received "
                 f"{push.payload_bytes}"
             )
-        return sent.payload_bytes
+        return int(sent.payload_bytes)
 
     def _open_transfer(self, workers: int) -> tuple[Any, int]:
-        """This trainer as rank 0 of a new weight-transfer group with the engine's ``workers``."""
+        """A new weight-transfer group with the engine's ``workers``: this trainer is its rank 0, or
+        (the megatron gang) the gang's sending rank is, and the group's handle stays there (None)."""
         from rollpacker.core.weight_sync import TransferGroup
         from rollpacker.engines import weight_transfer as wt
 
-        address = _node_address()
-        backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
-        group = TransferGroup(address, wt.free_port(address), workers + 1, 1, backend)
+        gang = self.cfg.train.backend == "megatron"  # the sender is a rank of the gang, not this process
+        if gang:
+            address, port = self.trainer.weight_sender_address()
+            backend = "nccl" if self.cfg.train.megatron.gpus_per_rank > 0 else "gloo"
+        else:
+            address = _node_address()
+            port = wt.free_port(address)
+            backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
+        group = TransferGroup(address, port, workers + 1, 1, backend)
         with ThreadPoolExecutor(max_workers=1) as ex:
             joined = ex.submit(self.peers.rollout().init_weight_transfer, group)
-            pg = wt.open_group(group, 0)
+            pg = self.trainer.open_weight_group(group) if gang else wt.open_group(group, 0)
             joined.result(timeout=group.timeout_s)
         return pg, group.port
 

@@ -18,7 +18,9 @@ reduce once, scale by ``1 / D`` and step. The update is therefore the monolithic
 replica got which group, in whatever order.
 
 Weights out (``weight_buckets``): per pipeline stage, buckets of at most ``bucket_mb`` of full
-tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names.
+tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names. With
+``train.weight_sync: collective`` (``push_weights``, one-stage gangs) that rank broadcasts each
+bucket straight to the engine's workers as it is gathered, on its own device.
 
 Failure: a rank that dies (``RayActorError``) fails the call with a ``TrainerError`` naming the
 rank, and marks the gang ``broken``; the trainer service then rebuilds the gang from the last
@@ -54,6 +56,8 @@ from rollpacker.core.errors import TrainerError
 from rollpacker.core.memory import MemoryPlan, check_fits
 from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
+from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines.weight_transfer import PushReport
 from rollpacker.store.base import ObjectStore
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
@@ -378,6 +382,32 @@ class MegatronTrainer:
             return
         for bucket in self.weight_buckets():
             yield from bucket.items()
+
+    # -- the collective weight push (train.weight_sync: collective) ----------------------------------
+    def _sender(self) -> Any:
+        if self.pp != 1:
+            raise TrainerError(
+                f"train.weight_sync: collective with train.megatron.pp = {self.pp}: each stage would send "
+                "its own layers, which is not built yet; use pp: 1 or weight_sync: object_store"
+            )
+        return self.actors[self._head(0)]
+
+    def weight_sender_address(self) -> tuple[str, int]:
+        """Where the sender, the (tp 0, dp 0) rank, hosts the weight-transfer group."""
+        address, port = self._get([self._sender().weight_sender_address.remote()], "weight_sender_address")[0]
+        return str(address), int(port)
+
+    def open_weight_group(self, group: TransferGroup) -> None:
+        """The sender joins ``group`` as rank 0; returns once the engine's workers have joined."""
+        self._get([self._sender().open_weight_group.remote(group.to_json())], "open_weight_group")
+
+    def push_weights(self, bucket_bytes: int) -> PushReport:
+        """Every rank exports bucket by bucket (TP gathers, on the ranks' devices); the sender
+        broadcasts each bucket to the engine's workers as it is gathered: no copy of the weights
+        passes through this driver or Ray's object store."""
+        sender = self._sender()
+        got = self._all("push_weights", int(bucket_bytes))
+        return PushReport.from_json(got[self.actors.index(sender)], where="weight push report")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> Path:
