@@ -1,7 +1,8 @@
 """``train.weight_sync: collective`` in the trainer service: the update's weights go to the engine's
 workers over a process group (the engine's side is the outer edge here: a worker thread that
 receives with ``engines.weight_transfer.receive``), the group is set up once and again only when
-the engine is not in it, and a push that cannot run falls back to the object store."""
+the engine is not in it, a due Hugging Face export is still written, and a push that cannot run
+falls back to the object store."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ class _Peers:
 def test_the_update_is_pushed_by_collective_once_a_group_is_up_and_by_the_store_when_it_cannot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    svc, state, base = _service(tmp_path, monkeypatch, "train: {weight_sync: collective}\n")
+    extra = "train: {weight_sync: collective}\ncheckpoint: {export_every: 1}\n"
+    svc, state, base = _service(tmp_path, monkeypatch, extra)
     peers = _Peers()
     svc._peers = peers  # the engine side of the push (_service bound the default peers)
     svc.begin("a0", state, base)
@@ -76,6 +78,8 @@ def test_the_update_is_pushed_by_collective_once_a_group_is_up_and_by_the_store_
             assert set(peers.engine.loaded) == set(want)
             assert all(torch.equal(peers.engine.loaded[n], t) for n, t in want.items())
             assert r.metrics["sync/collective"] == 1.0
+            exported = svc.store().list(f"t/sync/export/step-{step:06d}-a0/")
+            assert any(k.endswith(".safetensors") for k in exported), exported  # the HF export too
             assert r.metrics["sync/weights_bytes"] == sum(t.numel() * t.element_size() for t in want.values())
             state = state.successor(checkpoint_uri=r.checkpoint_uri, policy_version=r.policy_version)
             svc.begin(f"a{step + 1}", state, base)

@@ -429,16 +429,18 @@ class TrainerService(Service, TrainerAPI):
         ckpt_s = time.perf_counter() - t_ck
         self.checkpoint_uri = uri
         t_gather = time.perf_counter()
+        collective = self.cfg.train.weight_sync == "collective"
+        # the object-store path's copy (megatron: gathered in buckets), also what an export writes
+        weights = None if collective else {n: t.detach().clone() for n, t in self.trainer.weights()}
         if export_key:
-            export_weights(self.store(), export_key, dict(self.trainer.weights()), self.trainer.model_dir)
+            # a copy (tied tensors share storage, which safetensors refuses), only when an export is due
+            exported = weights or {n: t.detach().clone() for n, t in self.trainer.weights()}
+            export_weights(self.store(), export_key, exported, self.trainer.model_dir)
         t_sync = time.perf_counter()
-        pushed = self._push_collective(uri) if self.cfg.train.weight_sync == "collective" else None
+        pushed = self._push_collective(uri) if collective else None
         if pushed is None:  # the object-store path (the configured one, or the fallback)
-            t_gather = time.perf_counter()
-            weights = {
-                n: t.detach().clone() for n, t in self.trainer.weights()
-            }  # megatron: gathered in buckets
-            t_sync = time.perf_counter()
+            if weights is None:
+                weights = {n: t.detach().clone() for n, t in self.trainer.weights()}
             self._push_weights(uri, weights)
             pushed = sum(t.numel() * t.element_size() for t in weights.values())
             del weights
