@@ -43,3 +43,12 @@ def test_train_weight_sync_names_the_paths_and_refuses_a_pipelined_gang() -> Non
     TrainerConfig(weight_sync="collective", backend="megatron", megatron=MegatronConfig(tp=2, dp=2))
     with pytest.raises(ConfigError, match=r"megatron.pp = 2.*use pp: 1 or weight_sync: object_store"):
         TrainerConfig(weight_sync="collective", backend="megatron", megatron=MegatronConfig(pp=2))
+
+
+def test_the_collective_push_is_refused_for_engines_in_layouts() -> None:
+    from rollpacker.core.config import config_from_text
+
+    text = "experiment: t\ntrain: {weight_sync: collective}\n"
+    assert config_from_text(text).train.weight_sync == "collective"
+    with pytest.raises(ConfigError, match=r"planner.devices = 2.*weight_sync: object_store"):
+        config_from_text(text + "planner: {devices: 2, max_tp: 2}\n")
