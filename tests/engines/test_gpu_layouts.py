@@ -205,6 +205,10 @@ def test_vllm_args_on_cuda_capture_graphs_and_take_the_memory_share() -> None:
     assert a["gpu_memory_utilization"] == 0.8
     assert a["async_scheduling"] is False, "vLLM's async scheduling (on by default on CUDA) is off"
     assert a["tensor_parallel_size"] == 4 and a["distributed_executor_backend"] == "mp"
+    # the collective weight push through vLLM's weight-transfer API, its backend registered by the
+    # worker extension in every worker process (engines/weight_transfer.py)
+    assert a["weight_transfer_config"] == {"backend": "rollpacker"}
+    assert a["worker_extension_cls"] == "rollpacker.engines.vllm_transfer_ext.PushReportExtension"
     assert engine_args(Path("/m"), _cfg(cuda_graphs=False), "cuda")["enforce_eager"] is True
     c = engine_args(Path("/m"), _cfg(), "cpu")
     assert c["enforce_eager"] is True and "gpu_memory_utilization" not in c

@@ -313,8 +313,8 @@ class _TrainerPeers:
 
 
 def _worker_affinity(svc: Any) -> set[int]:
-    svc.stream._q.join()  # the placement message is applied
-    return set(os.sched_getaffinity(svc.stream._thread.native_id))
+    svc.stream._queues[0].join()  # the placement message is applied
+    return set(os.sched_getaffinity(svc.stream._threads[0].native_id))
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="needs Linux thread affinity")
@@ -356,7 +356,7 @@ def test_the_trainer_takes_the_freed_cores_and_gives_them_back_before_the_next_r
     assert svc.repurpose("old-attempt", ("0",)).devices == ()  # a late call is ignored
     assert _worker_affinity(svc) == {int(core)}
     svc.submit("a1", "g1", _group("g1", 1))
-    svc.stream._q.join()
+    svc.stream._queues[0].join()
     time.sleep(0.05)
     report = svc.finish("a1", 0, ("g0", "g1"), "sd/ckpt/step-0/", "sd/batch/step-0.json")
     assert seen[0][0] == "g0" and seen[0][1] == base_cores

@@ -56,5 +56,5 @@ def test_the_report_renders_and_an_unknown_part_is_named(rows) -> None:
     assert "| sorted_partial |" in text and "out tok/s (all)" in text and "trained tok/s" in text
     with pytest.raises(ConfigError, match=r"unknown part\(s\) \['nope'\]"):
         run_papers(only=("nope",))
-    with pytest.raises(ConfigError, match="sortedrl.q"):
+    with pytest.raises(ConfigError, match=r"sortedrl\.q"):
         SortedRLCase(q=0)

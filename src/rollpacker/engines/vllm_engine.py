@@ -35,7 +35,11 @@ from rollpacker.core.types import (
     GenerationRequest,
     RequestUpdate,
 )
+from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.engines.gpus import engine_device
+from rollpacker.engines.weight_transfer import BACKEND as WEIGHT_BACKEND
+from rollpacker.engines.weight_transfer import EXTENSION as WEIGHT_EXTENSION
+from rollpacker.engines.weight_transfer import PushReport, check_report
 
 if TYPE_CHECKING:
     from vllm import LLMEngine
@@ -190,6 +194,10 @@ def engine_args(
         # trainer's PPO ratio compares like with like at any temperature.
         logprobs_mode="processed_logprobs",
         speculative_config=speculative,
+        # the collective weight push (engines/weight_transfer.py): vLLM's weight-transfer API with
+        # the rollpacker backend, which the worker extension registers in every worker process
+        weight_transfer_config={"backend": WEIGHT_BACKEND},
+        worker_extension_cls=WEIGHT_EXTENSION,
     )
     if device == "cuda":  # on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE (engine.kv_cache_gib)
         args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -535,6 +543,30 @@ class VLLMEngine:
             )
         # Cached KV / prefixes were computed with the old weights.
         self._core(self._engine.reset_prefix_cache)
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        """Join the trainer's weight-transfer group (``engines/weight_transfer.py``); blocks until
+        the sender (rank 0) has joined too, so call it while the trainer opens its side."""
+        self._core(
+            self._engine.collective_rpc,
+            "init_weight_transfer_engine",
+            kwargs={"init_info": {"group": group.to_json()}},
+        )
+
+    def receive_weights(self, policy_version: int) -> list[PushReport]:
+        """Receive one collective push on every worker, bucket by bucket, while the trainer sends
+        it; one report per worker. Call it between rounds (no request in flight). A bucket whose
+        digest disagrees fails the call, naming it (``EngineError``)."""
+        rpc = self._engine.collective_rpc
+        self._core(rpc, "start_weight_update")
+        self._core(rpc, "update_weights", kwargs={"update_info": {"policy_version": int(policy_version)}})
+        self._core(rpc, "finish_weight_update")
+        texts = self._core(rpc, "rollpacker_push_report")
+        self._core(self._engine.reset_prefix_cache)  # cached KV was computed with the old weights
+        reports = [PushReport.from_json(t, where="worker push report") for t in texts if t]
+        for r in reports:
+            check_report(r, "collective weight push")
+        return reports
 
     def forget_cached(self) -> None:
         """Drop the cached prefixes (KV) of earlier requests: a step re-run on the same weights

@@ -30,6 +30,7 @@ from rollpacker.core.prompts import CursorState
 from rollpacker.core.serde import Message
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
+from rollpacker.core.weight_sync import TransferGroup
 
 Anchors = tuple[tuple[str, float], ...]  # the sandbox's timeout anchors: (test case, seconds)
 
@@ -54,6 +55,24 @@ class WeightProbe(Message):
     prompt_ids: tuple[tuple[int, ...], ...]
     response_ids: tuple[tuple[int, ...], ...]
     logprobs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class WeightPeer(Message):
+    """The rollout engine as a collective weight push sees it (``RolloutAPI.weight_peer``)."""
+
+    workers: int  # the engine's workers (ranks 1..workers of the group)
+    joined: bool  # they are in the trainer's group on the port asked about
+
+
+@dataclass(frozen=True)
+class WeightPush(Message):
+    """What the engine's workers received in a collective weight push (``train.weight_sync``)."""
+
+    seconds: float
+    workers: int
+    buckets: int  # per worker
+    payload_bytes: int  # per worker
 
 
 @dataclass(frozen=True)
@@ -238,6 +257,16 @@ class RolloutAPI(Protocol):
     def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
         """Sample ``max_tokens`` tokens on the task's first ``prompts`` training prompts with the
         served weights (seeded, at the rollout temperature): the weight-sync probe's engine side."""
+
+    def weight_peer(self, port: int) -> WeightPeer:
+        """The engine's workers and whether they joined the group on ``port``; raises when no
+        single running engine can receive a push (the trainer then uses the object store)."""
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        """Join the trainer's weight-transfer group; returns once the trainer has joined too."""
+
+    def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
+        """Receive the trainer's collective push (it sends meanwhile), between rounds."""
 
     def holds(self, checkpoint_uri: str) -> bool:
         """Whether a live engine serves the weights ``checkpoint_uri`` names (a step between

@@ -47,6 +47,7 @@ from rollpacker.core.placement import (
 )
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
+from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.devservices import local_ray_address, local_ray_head_broken
 from rollpacker.services.api import (
     Anchors,
@@ -69,7 +70,9 @@ from rollpacker.services.api import (
     TrainerBegin,
     TrainReport,
     Validation,
+    WeightPeer,
     WeightProbe,
+    WeightPush,
 )
 from rollpacker.services.base import CHECKPOINT_CACHE_ENV, Service, ServiceError, config_digest
 from rollpacker.services.reward import RewardService
@@ -274,6 +277,15 @@ class RolloutProxy(RolloutAPI):
 
     def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
         return self._h.call(RolloutAPI.probe, prompts, max_tokens)
+
+    def weight_peer(self, port: int) -> WeightPeer:
+        return self._h.call(RolloutAPI.weight_peer, port)
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        self._h.call(RolloutAPI.init_weight_transfer, group)
+
+    def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
+        return self._h.call(RolloutAPI.receive_weights, policy_version, checkpoint_uri)
 
     def holds(self, checkpoint_uri: str) -> bool:
         return self._h.call(RolloutAPI.holds, checkpoint_uri)

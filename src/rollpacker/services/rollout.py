@@ -31,7 +31,10 @@ Invariants:
 - with dynamic sampling, only groups with reward variance reach ``group`` (and so the trainer);
   a dropped prompt is reported as dropped, never as trained or deferred;
 - every replica serves again when a round ends, however it ends (scale-down parks them only
-  within the round).
+  within the round);
+- a weight push (``load_weights``, or ``receive_weights`` of the collective path) holds the round
+  lock: no request is sampled on half-loaded weights, and a push that failed half way leaves the
+  engine claiming no checkpoint, so the next ``sync`` reloads it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from rollpacker.core.scaledown import LengthHistory
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Completion, Group, SamplingSpec
+from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.engines.gpus import engine_device
 from rollpacker.engines.layout import (
     EnginePool,
@@ -78,7 +82,9 @@ from rollpacker.services.api import (
     RoundReport,
     ScoreItem,
     Validation,
+    WeightPeer,
     WeightProbe,
+    WeightPush,
 )
 from rollpacker.services.base import Service, checkpoint_cache
 from rollpacker.store.base import cached_download
@@ -109,6 +115,7 @@ class RolloutService(Service, RolloutAPI):
         self._rounds_on_weights = 0
         self._pred: Any = None
         self._pred_uri = ""
+        self._wt_joined: tuple[int, int] | None = None  # (engine, port) in a weight-transfer group
 
     # -- weights --------------------------------------------------------------------------------
     def sync(self, state: ControllerState) -> EngineSync:
@@ -319,6 +326,46 @@ class RolloutService(Service, RolloutAPI):
             response_ids=tuple(c.token_ids for c in comps),
             logprobs=tuple(c.logprobs for c in comps),
         )
+
+    # -- the collective weight push (train.weight_sync: collective) ---------------------------------
+    def _push_engine(self, call: str) -> VLLMEngine:
+        self._drop_if_dead(call)
+        if not isinstance(self.engine, VLLMEngine):
+            what = "no engine" if self.engine is None else "engines in layouts (planner.devices)"
+            raise RollpackerError(
+                f"{call}: train.weight_sync: collective needs one running vLLM engine, and this rollout "
+                f"service has {what}; the trainer pushes through the object store instead"
+            )
+        return self.engine
+
+    def weight_peer(self, port: int) -> WeightPeer:
+        with self._round_lock:
+            engine = self._push_engine("weight_peer")
+            return WeightPeer(engine.tp_size, self._wt_joined == (id(engine), port))
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        with self._round_lock:
+            engine = self._push_engine("init_weight_transfer")
+            self._wt_joined = None
+            engine.init_weight_transfer(group)
+            self._wt_joined = (id(engine), group.port)
+
+    def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
+        """The push, received while no round runs (the round lock): no request is ever sampled on
+        half-loaded weights; a digest mismatch leaves the engine unusable until the next sync."""
+        t0 = time.perf_counter()
+        with self._round_lock:
+            engine = self._push_engine("receive_weights")
+            try:
+                reports = engine.receive_weights(policy_version)
+            except Exception:
+                self.checkpoint_uri = ""  # a mix of old and new weights: the next sync reloads them
+                raise
+            self.policy_version = policy_version
+            self.checkpoint_uri = checkpoint_uri
+            self._rounds_on_weights = 0  # the engine dropped its prefix cache with the old weights
+        r = reports[0]
+        return WeightPush(time.perf_counter() - t0, len(reports), r.buckets, r.payload_bytes)
 
     def holds(self, checkpoint_uri: str) -> bool:
         with self._round_lock:

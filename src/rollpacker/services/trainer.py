@@ -3,7 +3,10 @@
 Rewarded groups arrive during rollout (``submit``, from the reward services) and their gradients
 accumulate at once; the training stage calls ``finish``, which waits for every group the round
 produced, takes the one deferred optimizer step, writes the checkpoint to the object store under
-an attempt-unique prefix, and pushes the new weights into the rollout engine in place.
+an attempt-unique prefix, and pushes the new weights into the rollout engine in place:
+through the object store (one Ray call) or, with ``train.weight_sync: collective``, by a
+broadcast over a process group with the engine's workers (``engines/weight_transfer.py``; a push
+that cannot run that way goes through the object store instead).
 
 Checkpoint cadence (``checkpoint.every``): a checkpoint is written after every N-th step and the
 last one. A step between checkpoints names its weights with its checkpoint key but writes nothing
@@ -56,6 +59,7 @@ import os
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +99,9 @@ class TrainerService(Service, TrainerAPI):
         self._lease: tuple[str, ...] = ()  # devices repurposed from rollout, held until finish
         self._devices = DeviceTimeline()
         self._threads = DeviceTimeline(1)
+        self._wt: tuple[Any, int] | None = (
+            None  # the weight-transfer group (train.weight_sync: collective) and its port
+        )
 
     def begin(self, attempt: str, state: ControllerState, base_uri: str) -> TrainerBegin:
         t0 = time.perf_counter()
@@ -380,6 +387,61 @@ class TrainerService(Service, TrainerAPI):
             )
         return {"sync/probe_logprob_gap": gap, "sync/probe_s": time.perf_counter() - t0}
 
+    def _push_collective(self, uri: str) -> int | None:
+        """The new weights broadcast to the engine's workers (``train.weight_sync: collective``;
+        ``engines/weight_transfer.py``) over the group set up at the first push, and again whenever
+        the engine is not in it (a rebuilt rollout service or engine); the bytes each worker
+        received, or None when the push could not run: the caller then pushes through the object
+        store, and the next push sets a group up anew."""
+        from rollpacker.engines import weight_transfer as wt
+
+        rollout = self.peers.rollout()
+        try:
+            peer = rollout.weight_peer(self._wt[1] if self._wt is not None else 0)
+            if self._wt is None or not peer.joined:
+                self._wt = self._open_transfer(peer.workers)
+            with ThreadPoolExecutor(max_workers=1) as ex:
+                got = ex.submit(rollout.receive_weights, self.trainer.policy_version, uri)
+                if self._wt[0] is None:  # the megatron gang: its (tp 0, dp 0) rank sends
+                    sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
+                else:
+                    named = self.trainer.weights()
+                    sent = wt.send(self._wt[0], named, _bucket_bytes(self.cfg), self.trainer.device)
+                push = got.result(timeout=self.cfg.services.call_timeout_s)
+        except Exception as e:
+            self._wt = None
+            log.warning(
+                "trainer: the collective weight push failed (%s); pushing through the object store", e
+            )
+            return None
+        if push.payload_bytes != sent.payload_bytes:
+            raise TrainerError(
+                f"collective weight push: sent {sent.payload_bytes} bytes, the engine received "
+                f"{push.payload_bytes}"
+            )
+        return int(sent.payload_bytes)
+
+    def _open_transfer(self, workers: int) -> tuple[Any, int]:
+        """A new weight-transfer group with the engine's ``workers``: this trainer is its rank 0, or
+        (the megatron gang) the gang's sending rank is, and the group's handle stays there (None)."""
+        from rollpacker.core.weight_sync import TransferGroup
+        from rollpacker.engines import weight_transfer as wt
+
+        gang = self.cfg.train.backend == "megatron"  # the sender is a rank of the gang, not this process
+        if gang:
+            address, port = self.trainer.weight_sender_address()
+            backend = "nccl" if self.cfg.train.megatron.gpus_per_rank > 0 else "gloo"
+        else:
+            address = _node_address()
+            port = wt.free_port(address)
+            backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
+        group = TransferGroup(address, port, workers + 1, 1, backend)
+        with ThreadPoolExecutor(max_workers=1) as ex:
+            joined = ex.submit(self.peers.rollout().init_weight_transfer, group)
+            pg = self.trainer.open_weight_group(group) if gang else wt.open_group(group, 0)
+            joined.result(timeout=group.timeout_s)
+        return pg, group.port
+
     def _update(
         self, samples: int, wait_s: float, keys: tuple[str, str], pending_uri: str, store: bool
     ) -> TrainReport:
@@ -401,11 +463,21 @@ class TrainerService(Service, TrainerAPI):
         ckpt_s = time.perf_counter() - t_ck
         self.checkpoint_uri = uri
         t_gather = time.perf_counter()
-        weights = {n: t.detach().clone() for n, t in self.trainer.weights()}  # megatron: gathered in buckets
+        collective = self.cfg.train.weight_sync == "collective"
+        # the object-store path's copy (megatron: gathered in buckets), also what an export writes
+        weights = None if collective else {n: t.detach().clone() for n, t in self.trainer.weights()}
         if export_key:
-            export_weights(self.store(), export_key, weights, self.trainer.model_dir)
+            # a copy (tied tensors share storage, which safetensors refuses), only when an export is due
+            exported = weights or {n: t.detach().clone() for n, t in self.trainer.weights()}
+            export_weights(self.store(), export_key, exported, self.trainer.model_dir)
         t_sync = time.perf_counter()
-        self._push_weights(uri, weights)
+        pushed = self._push_collective(uri) if collective else None
+        if pushed is None:  # the object-store path (the configured one, or the fallback)
+            if weights is None:
+                weights = {n: t.detach().clone() for n, t in self.trainer.weights()}
+            self._push_weights(uri, weights)
+            pushed = sum(t.numel() * t.element_size() for t in weights.values())
+            del weights
         sync_s = time.perf_counter() - t_sync
         probe = self._probe_sync()  # before any rollout on the pushed weights
         gather_s = t_sync - t_gather
@@ -434,6 +506,8 @@ class TrainerService(Service, TrainerAPI):
                 "weights/sync_s": sync_s,
                 "sync/weights_s": gather_s + sync_s,  # gather (TP/PP shards to HF names) + push
                 **probe,
+                "sync/weights_bytes": float(pushed),  # moved per push (per engine worker)
+                "sync/collective": float(self._wt is not None),
                 **devices,
             },
         )
@@ -463,6 +537,23 @@ _HAS_AFFINITY = hasattr(os, "sched_getaffinity")
 def _train_dtype(cfg: TrainerConfig) -> str:
     """The dtype the trainer computes logprobs in (the megatron gang's, or the torch backend's)."""
     return cfg.megatron.dtype if cfg.backend == "megatron" else cfg.dtype
+
+
+def _node_address() -> str:
+    """This node's address, as the engine's workers reach it (Ray's view; loopback outside Ray)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def _bucket_bytes(cfg: Any) -> int:
+    """The push's bucket size: ``train.megatron.bucket_mb`` (the same bound as the gang's export)."""
+    return int(cfg.train.megatron.bucket_mb * 2**20)
 
 
 def _cores(devices: tuple[str, ...]) -> frozenset[int] | None:

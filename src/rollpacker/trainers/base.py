@@ -8,6 +8,11 @@ Contract:
 - ``accumulate(samples)`` adds the gradient of the chunk's *unnormalized* loss sum and never
   changes weights or optimizer state; it may be called any number of times, in any order of
   chunks, while rollout runs;
+- ``replicas`` is the number of data-parallel replicas that accumulate at the same time (the torch
+  backend: 1; the megatron gang: its DP size), and ``accumulate_on(r, samples)`` accumulates the
+  chunk on replica ``r`` alone; it may be called from one thread per replica at once (the stream
+  trainer keeps every replica busy that way), and ``accumulate`` is the same as spreading the chunk
+  over the replicas: which replica gets which group never changes the update;
 - ``finish_step()`` scales the accumulated gradient by ``1 / D(batch)`` (see
   ``rollpacker.core.stream_math``), clips, takes one optimizer step and bumps ``policy_version``;
   with nothing accumulated (DAPO's overlong filtering removed every sample of the batch) it is an
@@ -78,7 +83,12 @@ def zero_update(policy_version: int, seconds: float) -> TrainStats:
 class Trainer(Protocol):
     policy_version: int
 
+    @property
+    def replicas(self) -> int: ...
+
     def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats: ...
+
+    def accumulate_on(self, replica: int, samples: Sequence[TrainSample]) -> AccumStats: ...
 
     def finish_step(self) -> TrainStats: ...
 

@@ -17,6 +17,15 @@ normalizes every token's return with the batch's statistics and then accumulates
 steps once. The update is the monolithic one exactly (tests/trainers/test_algorithms.py); the
 part that overlaps rollout is the reference forward, not the policy gradient.
 
+Every data-parallel replica busy: a trainer with ``replicas > 1`` (the megatron gang at DP > 1)
+gets one dispatch lane per replica, a queue and a thread calling ``accumulate_on(replica, chunk)``,
+so all replicas compute at once (a single worker would wait on one replica at a time and leave the
+others idle). ``submit`` cuts what it gets into groups (the samples of one prompt) and hands each,
+largest first, to the lane with the fewest tokens (prompt + response) queued or computing: balanced
+by tokens, and a replica that falls behind gets less. The update is unchanged: each replica only
+adds to its own gradient buffers, and ``finish`` waits for every lane before the one reduction
+(``trainers/megatron/gang.py``).
+
 Repurposed devices (RollPacker 4.4, ``rollout.scale_down``): ``place(cores)`` moves the gradient
 worker onto CPU cores that rollout freed: from its next chunk on it runs ``len(cores)`` intra-op
 threads pinned to exactly those cores (``torch.set_num_threads`` and ``sched_setaffinity`` of the
@@ -26,11 +35,13 @@ only where.
 
 Invariants:
 - every submitted sample is accumulated exactly once before ``finish`` steps (batch scope: after
-  the last group is in, with the whole batch's statistics);
+  the last group is in, with the whole batch's statistics), on exactly one replica;
+- with ``replicas > 1`` a group waits only while every replica is computing (no idle replica while
+  groups are queued);
 - no optimizer step happens before ``finish``;
 - a batch with no sample (overlong filtering removed all) is an exact zero update: no optimizer
   step, weights and optimizer state unchanged, the policy version advanced (``trainers.base``);
-- an error in the worker surfaces at the next ``submit`` or at ``finish`` (never silently lost);
+- an error in a worker surfaces at the next ``submit`` or at ``finish`` (never silently lost);
 - each chunk runs under the placement last requested before it started.
 """
 
@@ -66,7 +77,6 @@ class StreamTrainer:
         self.trainer = trainer
         self.threads = threads
         self.stream = stream
-        self._q: queue.Queue[object] = queue.Queue()
         self._buffer: list[TrainSample] = []
         self._error: BaseException | None = None
         self._streamed = 0
@@ -76,12 +86,19 @@ class StreamTrainer:
         self._stats = ReturnStats()
         self._finishing = False
         self._placement: frozenset[int] | None = None  # cores to run on; None = the base placement
-        self._thread: threading.Thread | None = None
+        # one dispatch lane (queue + thread) per replica; batch scope holds its chunks in order: one
+        n = 1 if self._batch_scope else max(1, trainer.replicas)
+        self._lock = threading.Lock()  # the lanes' loads and the counters
+        self._queues: list[queue.Queue[object]] = [queue.Queue() for _ in range(n)]
+        self._load = [0] * n  # tokens submitted to each lane and not yet accumulated
+        self._threads: list[threading.Thread] = []
         if stream:
-            self._thread = threading.Thread(target=self._run, name="stream-trainer", daemon=True)
-            self._thread.start()
+            for r in range(n):
+                t = threading.Thread(target=self._run, args=(r,), name=f"stream-trainer-{r}", daemon=True)
+                t.start()
+                self._threads.append(t)
 
-    def _run(self) -> None:
+    def _run(self, lane: int) -> None:
         import torch
 
         # One intra-op thread for the gradient worker: the engine's decode loop keeps the other
@@ -89,8 +106,9 @@ class StreamTrainer:
         torch.set_num_threads(max(1, self.threads))
         base_cores = _affinity()
         applied: frozenset[int] | None = None
+        q = self._queues[lane]
         while True:
-            item = self._q.get()
+            item = q.get()
             try:
                 if item is _STOP:
                     return
@@ -100,26 +118,35 @@ class StreamTrainer:
                     applied = want
                 if item is _PLACE:
                     continue
-                if self._error is None:
-                    self._work(cast(list[TrainSample], item))
+                samples = cast(list[TrainSample], item)
+                try:
+                    if self._error is None:
+                        self._work(lane, samples)
+                finally:
+                    with self._lock:
+                        self._load[lane] -= _tokens(samples)
             except BaseException as e:  # surfaced to the caller
                 self._error = e
             finally:
-                self._q.task_done()
+                q.task_done()
 
-    def _work(self, samples: list[TrainSample]) -> None:
-        """One chunk: its gradient, or (batch scope) its returns and their statistics."""
+    def _work(self, lane: int, samples: list[TrainSample]) -> None:
+        """One chunk on ``lane``'s replica: its gradient, or (batch scope) its returns and their
+        statistics."""
         t0 = time.perf_counter()
         if self._batch_scope:
             returns = self.trainer.returns(samples)
             self._held.append((samples, returns))
             self._stats = self._stats.merge(ReturnStats.of(returns))
             n = len(samples)
-        else:
+        elif len(self._queues) == 1:
             n = self.trainer.accumulate(samples).samples
+        else:
+            n = self.trainer.accumulate_on(lane, samples).samples
         if not self._finishing:
-            self._streamed += n
-            self._overlap_s += time.perf_counter() - t0
+            with self._lock:
+                self._streamed += n
+                self._overlap_s += time.perf_counter() - t0
 
     def _finish_batch_scope(self) -> None:
         """Normalize every held chunk with the batch's statistics, then accumulate its gradient."""
@@ -138,28 +165,51 @@ class StreamTrainer:
         if cores is not None and not cores:
             raise TrainerError("place: give at least one core (or None for the base placement)")
         self._placement = frozenset(cores) if cores is not None else None
-        if self._thread is not None:
-            self._q.put(_PLACE)  # applied now, not only when the next chunk arrives
+        if self._threads:
+            for q in self._queues:
+                q.put(_PLACE)  # applied now, not only when the next chunk arrives
         return len(cores) if cores is not None else max(1, self.threads)
 
     @property
     def placement(self) -> frozenset[int] | None:
         return self._placement
 
+    @property
+    def lanes(self) -> int:
+        """Replicas the groups are dispatched to at once (one thread each)."""
+        return len(self._queues)
+
     def submit(self, samples: Sequence[TrainSample]) -> None:
+        """Queue the samples' gradients: each group (the samples of one prompt), largest first, on
+        the lane whose replica has the fewest tokens still to compute."""
         self._raise_if_failed()
         if not samples:
             return
-        if self.stream:
-            self._q.put(list(samples))
-        else:
+        if not self.stream:
             self._buffer.extend(samples)
+            return
+        if len(self._queues) == 1:
+            self._put(0, list(samples))
+            return
+        groups: dict[str, list[TrainSample]] = {}
+        for s in samples:
+            groups.setdefault(s.prompt_id, []).append(s)
+        for g in sorted(groups.values(), key=_tokens, reverse=True):
+            with self._lock:
+                lane = min(range(len(self._load)), key=lambda r: (self._load[r], r))
+            self._put(lane, g)
+
+    def _put(self, lane: int, samples: list[TrainSample]) -> None:
+        with self._lock:
+            self._load[lane] += _tokens(samples)
+        self._queues[lane].put(samples)
 
     def finish(self) -> StreamReport:
         t0 = time.perf_counter()
         if self.stream:
             self._finishing = True
-            self._q.join()
+            for q in self._queues:
+                q.join()
             self._raise_if_failed()
             if self._batch_scope:
                 self._finish_batch_scope()
@@ -179,9 +229,16 @@ class StreamTrainer:
         return report
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._q.put(_STOP)
-            self._thread.join(timeout=30)
+        for q, t in zip(self._queues, self._threads, strict=False):
+            if t.is_alive():
+                q.put(_STOP)
+        for t in self._threads:
+            t.join(timeout=30)
+
+
+def _tokens(samples: Sequence[TrainSample]) -> int:
+    """What a chunk costs to accumulate: its prompt and response tokens."""
+    return sum(len(s.prompt_ids) + s.num_tokens for s in samples)
 
 
 def _affinity() -> frozenset[int] | None:

@@ -160,6 +160,16 @@ class TorchTrainer:
     def pending_samples(self) -> int:
         return len(self._acc_lengths)
 
+    @property
+    def replicas(self) -> int:
+        """One model on one device: a single replica."""
+        return 1
+
+    def accumulate_on(self, replica: int, samples: Sequence[TrainSample]) -> AccumStats:
+        if replica != 0:
+            raise TrainerError(f"accumulate_on replica {replica}: the torch backend has one replica (0)")
+        return self.accumulate(samples)
+
     def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats:
         """Add the gradient of the chunk's unnormalized loss sum (no weight change)."""
         t0 = time.perf_counter()

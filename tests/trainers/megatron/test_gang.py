@@ -3,13 +3,15 @@
 One RL update from the same samples: gradients within 1e-5 relative and SGD weights within 1e-5
 of the torch backend at TP=1, TP=2, PP=2 and DP=2; TP=2 / PP=2 / DP=2 within 1e-6 of megatron's
 own TP=1; the streamed gradient (groups in random order and chunks, spread over DP replicas) equals
-the monolithic one; a TP=2 checkpoint loads at TP=1 x DP=2; an Adam run resumes exactly from a
-dist_checkpointing checkpoint with the distributed optimizer; a dead rank fails the call by name.
+the monolithic one, and so does the stream trainer's update with both replicas computing at once;
+a TP=2 checkpoint loads at TP=1 x DP=2; an Adam run resumes exactly from a dist_checkpointing
+checkpoint with the distributed optimizer; a dead rank fails the call by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +90,7 @@ def test_dp2_streamed_equals_monolithic_and_loads_a_tp2_checkpoint(
     gqa_tied: Path, torch_ref: Run, tp1: Run, tp2: tuple[Run, Path], ray_local: None
 ) -> None:
     from rollpacker.trainers.megatron.gang import MegatronTrainer
+    from rollpacker.trainers.stream import StreamTrainer
 
     mt = MegatronTrainer(gqa_tied, train_config(dp=2), temperature=0.8)
     try:
@@ -98,8 +101,14 @@ def test_dp2_streamed_equals_monolithic_and_loads_a_tp2_checkpoint(
             stream(mt, seed)
             assert rel(mt.grads_hf(), mono) <= 1e-6
         assert rel(mono, tp1.grads) <= 1e-6 and rel(mono, torch_ref.grads) <= 1e-5
-        stream(mt, 5)
-        mt.finish_step()
+        st = StreamTrainer(mt)  # the stream trainer: one lane per replica, both computing at once
+        try:
+            assert st.lanes == 2
+            for g in random.Random(5).sample(batch(), 6):
+                st.submit(g)
+            st.finish()
+        finally:
+            st.close()
         weights = dict(mt.weights())
         assert rel(weights, tp1.weights) <= 1e-6 and rel(weights, torch_ref.weights) <= 1e-5
         # saved at TP=2 x DP=1, loaded at TP=1 x DP=2: the same weights, bit for bit

@@ -7,15 +7,20 @@ architecture, TP dividing heads and KV heads, PP dividing the layers), reserves 
 bundles, starts one ``RankWorker`` actor per bundle and joins them into one torch.distributed world
 (gloo on CPU, NCCL on GPU).
 
-Stream training across DP replicas: ``accumulate`` hands each group (all samples of one prompt) to
-the replica with the fewest tokens so far this step (every TP rank and PP stage of that replica
-gets the same samples); no DP communication happens until ``finish_step``, which computes the
+Stream training across DP replicas: the stream trainer keeps every replica busy at once, one
+dispatch thread per replica calling ``accumulate_on(replica, group)`` (it hands each group, all
+samples of one prompt, to the replica with the fewest tokens still to compute,
+``trainers/stream.py``); ``accumulate`` spreads a chunk's groups over the replicas with the fewest
+tokens so far this step and runs them together. Every TP rank and PP stage of a replica gets the
+same samples, in the same order; no DP communication happens until ``finish_step``, which computes the
 batch's denominator ``D`` from every accumulated length (``core/stream_math.py``) and has every rank
 reduce once, scale by ``1 / D`` and step. The update is therefore the monolithic one whichever
 replica got which group, in whatever order.
 
 Weights out (``weight_buckets``): per pipeline stage, buckets of at most ``bucket_mb`` of full
-tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names.
+tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names. With
+``train.weight_sync: collective`` (``push_weights``, one-stage gangs) that rank broadcasts each
+bucket straight to the engine's workers as it is gathered, on its own device.
 
 Failure: a rank that dies (``RayActorError``) fails the call with a ``TrainerError`` naming the
 rank, and marks the gang ``broken``; the trainer service then rebuilds the gang from the last
@@ -36,6 +41,7 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -51,6 +57,8 @@ from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.memory import MemoryPlan, check_fits
 from rollpacker.core.placement import rank_bundle
 from rollpacker.core.stream_math import LossNorm, denominator
+from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines.weight_transfer import PushReport
 from rollpacker.store.base import ObjectStore
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
@@ -107,6 +115,9 @@ class MegatronTrainer:
         self.optimizer_steps = 0
         self.broken = ""
         self._saved: tuple[int, dict[str, Any]] | None = None  # the weights save_checkpoint gathered
+        self._lock = (
+            threading.Lock()
+        )  # the step's sums: the stream trainer accumulates from a thread per replica
         self._pg: Any = None
         self.actors: list[Any] = []
         self._start()
@@ -217,14 +228,34 @@ class MegatronTrainer:
             groups[s.prompt_id].append(s)
         out: list[list[TrainSample]] = [[] for _ in range(self.dp)]
         for g in sorted(groups.values(), key=lambda g: -sum(len(s.prompt_ids) + s.num_tokens for s in g)):
-            d = min(range(self.dp), key=lambda r: (self._tokens[r], r))
+            with self._lock:
+                d = min(range(self.dp), key=lambda r: (self._tokens[r], r))
+                self._tokens[d] += sum(len(s.prompt_ids) + s.num_tokens for s in g)
             out[d].extend(g)
-            self._tokens[d] += sum(len(s.prompt_ids) + s.num_tokens for s in g)
         return out
 
+    @property
+    def replicas(self) -> int:
+        return self.dp
+
     def accumulate(self, samples: Sequence[TrainSample]) -> AccumStats:
+        """The chunk's groups spread over the replicas by tokens (``_place``), all at once."""
+        return self._accumulate(self._place(samples), time.perf_counter())
+
+    def accumulate_on(self, replica: int, samples: Sequence[TrainSample]) -> AccumStats:
+        """The chunk on DP replica ``replica`` alone (its TP and PP ranks); the stream trainer calls
+        this from one thread per replica at once, so every replica computes at the same time."""
         t0 = time.perf_counter()
-        parts = self._place(samples)
+        if not 0 <= replica < self.dp:
+            raise TrainerError(f"accumulate_on replica {replica}: the gang has replicas 0..{self.dp - 1}")
+        parts: list[list[TrainSample]] = [[] for _ in range(self.dp)]
+        parts[replica] = list(samples)
+        with self._lock:
+            self._tokens[replica] += sum(len(s.prompt_ids) + s.num_tokens for s in samples)
+        return self._accumulate(parts, t0)
+
+    def _accumulate(self, parts: list[list[TrainSample]], t0: float) -> AccumStats:
+        """``parts[d]`` on replica ``d``'s ranks, waited for together; the heads' sums recorded."""
         refs, heads = [], []
         for d, part in enumerate(parts):
             if not part:
@@ -234,15 +265,17 @@ class MegatronTrainer:
                 if i == self._head(d):
                     heads.append(len(refs) - 1)
         got = self._get(refs, "accumulate")
-        loss_sum = 0.0
-        for h in heads:
-            self._acc = defaultdict(
-                float, merge_sums(self._acc, {k: v for k, v in got[h].items() if k != "seconds"})
-            )
-            loss_sum += got[h]["loss_sum"]
-        self._lengths.extend(s.num_tokens for s in samples)
+        samples = [s for part in parts for s in part]
         dt = time.perf_counter() - t0
-        self._acc["seconds"] += dt
+        loss_sum = 0.0
+        with self._lock:  # one thread per replica records here
+            for h in heads:
+                self._acc = defaultdict(
+                    float, merge_sums(self._acc, {k: v for k, v in got[h].items() if k != "seconds"})
+                )
+                loss_sum += got[h]["loss_sum"]
+            self._lengths.extend(s.num_tokens for s in samples)
+            self._acc["seconds"] += dt
         return AccumStats(len(samples), sum(s.num_tokens for s in samples), loss_sum, dt)
 
     def finish_step(self) -> TrainStats:
@@ -352,6 +385,32 @@ class MegatronTrainer:
             return
         for bucket in self.weight_buckets():
             yield from bucket.items()
+
+    # -- the collective weight push (train.weight_sync: collective) ----------------------------------
+    def _sender(self) -> Any:
+        if self.pp != 1:
+            raise TrainerError(
+                f"train.weight_sync: collective with train.megatron.pp = {self.pp}: each stage would send "
+                "its own layers, which is not built yet; use pp: 1 or weight_sync: object_store"
+            )
+        return self.actors[self._head(0)]
+
+    def weight_sender_address(self) -> tuple[str, int]:
+        """Where the sender, the (tp 0, dp 0) rank, hosts the weight-transfer group."""
+        address, port = self._get([self._sender().weight_sender_address.remote()], "weight_sender_address")[0]
+        return str(address), int(port)
+
+    def open_weight_group(self, group: TransferGroup) -> None:
+        """The sender joins ``group`` as rank 0; returns once the engine's workers have joined."""
+        self._get([self._sender().open_weight_group.remote(group.to_json())], "open_weight_group")
+
+    def push_weights(self, bucket_bytes: int) -> PushReport:
+        """Every rank exports bucket by bucket (TP gathers, on the ranks' devices); the sender
+        broadcasts each bucket to the engine's workers as it is gathered: no copy of the weights
+        passes through this driver or Ray's object store."""
+        sender = self._sender()
+        got = self._all("push_weights", int(bucket_bytes))
+        return PushReport.from_json(got[self.actors.index(sender)], where="weight push report")
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> Path:

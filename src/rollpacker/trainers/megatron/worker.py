@@ -374,8 +374,11 @@ class RankWorker:
         return self._gather_hf(local)
 
     # -- weights out --------------------------------------------------------------------------------
-    def _gather_hf(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """All-gather ``local`` over TP; the stage's HF tensors on tp rank 0 of dp rank 0."""
+    def _gather_hf(
+        self, local: dict[str, torch.Tensor], on_device: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """All-gather ``local`` over TP; the stage's HF tensors on tp rank 0 of dp rank 0 (on the
+        host, or with ``on_device`` where the rank computes: the collective weight push)."""
         from megatron.core import parallel_state as ps
 
         group = ps.get_tensor_model_parallel_group()
@@ -385,7 +388,7 @@ class RankWorker:
             parts = [torch.empty_like(t) for _ in range(self.spec.tp)]
             torch.distributed.all_gather(parts, t, group=group)
             for r, p in enumerate(parts):
-                shards[r][name] = p.cpu()
+                shards[r][name] = p if on_device else p.cpu()
         if self.tp_rank != 0 or self.dp_rank != 0:
             return None
         return to_hf(gather_tp(shards), self.layout, self.spec.pp, self.pp_rank)
@@ -478,6 +481,49 @@ class RankWorker:
 
     def coords(self) -> tuple[int, int, int]:
         return self.tp_rank, self.pp_rank, self.dp_rank
+
+    # -- the collective weight push (train.weight_sync: collective; engines/weight_transfer.py) -----
+    def weight_sender_address(self) -> tuple[str, int]:
+        """This rank's node address and a free port: the sender hosts the group's rendezvous."""
+        import ray
+
+        from rollpacker.engines.weight_transfer import free_port
+
+        address = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+        return address, free_port(address)
+
+    def open_weight_group(self, group_json: str) -> None:
+        """Join the weight-transfer group as its sender, rank 0 (the (tp 0, dp 0) rank of a
+        one-stage gang); returns once the engine's workers have joined too."""
+        from rollpacker.core.weight_sync import TransferGroup
+        from rollpacker.engines.weight_transfer import open_group
+
+        self._weight_pg = open_group(TransferGroup.from_json(group_json, where="weight transfer group"), 0)
+
+    def push_weights(self, bucket_bytes: int) -> str:
+        """Collective over the TP group of every DP replica (the export, bucket by bucket, kept on
+        the rank's device); the sender broadcasts each bucket to the engine's workers as it is
+        gathered. Returns the sender's ``PushReport`` as JSON ("" on the other ranks)."""
+        from rollpacker.engines.weight_transfer import send
+
+        pg = getattr(self, "_weight_pg", None)
+        plan = self.bucket_plan(bucket_bytes)
+
+        def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+            sd = self.module.state_dict()
+            for names in plan:
+                got = self._gather_hf({n: sd[n].detach() for n in names}, on_device=True)
+                if got is not None:
+                    yield from got.items()
+
+        if pg is None:
+            for _ in gathered():  # join the export collectives
+                pass
+            return ""
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.spec.use_cuda else torch.device("cpu")
+        )
+        return send(pg, gathered(), bucket_bytes, device).to_json()
 
     def close(self) -> None:
         if torch.distributed.is_initialized():

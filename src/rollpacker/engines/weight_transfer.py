@@ -1,0 +1,318 @@
+"""Weights pushed by collectives: the trainer broadcasts its weights to the vLLM engine's workers
+over a process group between them (NCCL on GPUs, gloo on CPU), through vLLM's weight-transfer API.
+
+vLLM 0.32 has a supported mechanism for RL weight updates: an engine started with
+``weight_transfer_config`` builds a ``WeightTransferEngine`` in every worker, and the client drives
+``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+``finish_weight_update`` on all workers by ``collective_rpc`` (its offline ``RLOfflineMixin`` and
+the online RL routes do the same). Backends register in ``WeightTransferEngineFactory``. This module
+registers one more, ``rollpacker``, in every worker process (``vllm_transfer_ext``, the engine's
+``worker_extension_cls``, registers it on import), because vLLM's own ``nccl`` backend needs vLLM
+in the trainer process (its rendezvous is vLLM's ``StatelessProcessGroup`` and ``PyNccl``), runs on
+CUDA only, and checks nothing on arrival. Ours is plain ``torch.distributed`` on both sides:
+
+- the group: rank 0 (the sender, a trainer process) hosts a ``TCPStore``; the engine's workers
+  join as ranks ``rank_offset + worker rank`` (``core.weight_sync.TransferGroup``); the group is
+  ``ProcessGroupNCCL`` for CUDA tensors and ``ProcessGroupGloo`` for CPU ones, outside any default
+  process group (a megatron rank keeps its own world);
+- a push is a stream of buckets of at most ``bucket_bytes``: each bucket's ``BucketHeader`` (names,
+  dtypes, shapes, digest) is broadcast, then each tensor, straight from the trainer's parameter
+  (no packing copy); the worker allocates the bucket, receives it, recomputes the digest and loads
+  it before the next bucket arrives, so it never holds more than a bucket in flight: on CUDA with
+  an unquantized model straight into the parameters (``model.load_weights``: the receive buffer
+  and one copy, the two full-model copies of a push), elsewhere inside vLLM's layerwise reload,
+  which restores the layouts its kernels repacked (CPU GEMM weights, quantized ones) and re-runs
+  the post-load processing (``loads_in_place``);
+- a digest that disagrees fails the push naming the bucket; the worker drains the rest of the
+  stream without loading it, so both sides stay aligned, and the engine must then be reloaded
+  from the checkpoint (the object-store path) before it samples again;
+- consistency: the push runs between rounds under the rollout service's round lock (no request is
+  in flight, none is sampled on half-loaded weights), and the prefix cache is dropped after it.
+
+The digest is two integer sums over each tensor's bytes read as integers (all of them, and every
+other word), combined in tensor order modulo a prime: exact and order-independent on any device,
+so the sender and a worker on another GPU agree bit for bit; it moves two scalars to the host per
+tensor, never the tensor.
+
+Invariants (tests/engines/test_weight_transfer.py):
+- a push loads exactly the sent tensors, bit for bit, bucket by bucket;
+- a corrupted bucket is refused by index and nothing after it is loaded; the stream stays aligned;
+- the sender makes no copy of a contiguous tensor; a worker allocates one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rollpacker.core.errors import EngineError
+from rollpacker.core.serde import Message
+from rollpacker.core.weight_sync import BucketHeader, TensorSpec, TransferGroup
+
+BACKEND = "rollpacker"  # the name registered in vLLM's WeightTransferEngineFactory
+EXTENSION = "rollpacker.engines.vllm_transfer_ext.PushReportExtension"  # the worker_extension_cls
+_PRIME = (1 << 61) - 1
+_WORDS = {8: "int64", 4: "int32", 2: "int16", 1: "uint8"}
+
+
+@dataclass(frozen=True)
+class PushReport(Message):
+    """One side's account of a push."""
+
+    buckets: int
+    tensors: int
+    payload_bytes: int  # the tensors' bytes moved over the group
+    header_bytes: int
+    copied_bytes: int  # bytes this side copied to send or allocated to receive
+    seconds: float
+    error: str = ""  # a worker's digest mismatch (the push was drained, not loaded past it)
+
+
+def free_port(address: str) -> int:
+    """A free TCP port on ``address`` (the sender's rendezvous store)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+def open_group(group: TransferGroup, rank: int) -> Any:
+    """This process's member of ``group`` (rank 0 hosts the rendezvous store)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=group.timeout_s)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        group.address,
+        group.port,
+        group.world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    prefixed = dist.PrefixStore("rollpacker-weights", store)  # type: ignore[attr-defined]
+    if group.backend == "nccl":  # on this process's current CUDA device
+        return dist.ProcessGroupNCCL(prefixed, rank, group.world_size, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(prefixed, rank, group.world_size, timeout)
+
+
+def _broadcast(pg: Any, t: Any, root: int = 0) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
+    pg.broadcast([t], opts).wait()
+
+
+def _words(t: Any) -> Any:
+    import torch
+
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.view(getattr(torch, _WORDS[t.element_size()])).reshape(-1)
+
+
+def digest(tensors: Sequence[Any]) -> tuple[int, int]:
+    """The bucket digest: exact integer sums over the tensors' words, in tensor order."""
+    import torch
+
+    a = b = 0
+    for i, t in enumerate(tensors, 1):
+        w = _words(t if t.is_contiguous() else t.contiguous())
+        whole = int(w.sum(dtype=torch.int64)) % _PRIME
+        alt = int(w[::2].sum(dtype=torch.int64)) % _PRIME
+        a = (a + i * whole) % _PRIME
+        b = (b * 1_000_003 + alt + w.numel()) % _PRIME
+    return a, b
+
+
+def _spec(name: str, t: Any) -> TensorSpec:
+    return TensorSpec(name, str(t.dtype).removeprefix("torch."), tuple(int(x) for x in t.shape))
+
+
+def buckets(named: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
+    """Consecutive tensors in buckets of at most ``bucket_bytes`` (a larger tensor comes alone)."""
+    out: list[tuple[str, Any]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if out and size + n > bucket_bytes:
+            yield out
+            out, size = [], 0
+        out.append((name, t))
+        size += n
+    if out:
+        yield out
+
+
+def _send_header(pg: Any, header: BucketHeader, device: Any) -> int:
+    import torch
+
+    raw = header.to_json().encode()
+    _broadcast(pg, torch.tensor([len(raw)], dtype=torch.int64, device=device))
+    _broadcast(pg, torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device))
+    return len(raw) + 8
+
+
+def _recv_header(pg: Any, device: Any) -> tuple[BucketHeader, int]:
+    import torch
+
+    n = torch.zeros(1, dtype=torch.int64, device=device)
+    _broadcast(pg, n)
+    raw = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    _broadcast(pg, raw)
+    return BucketHeader.from_json(
+        bytes(raw.cpu().tolist()).decode(), where="weight push header"
+    ), raw.numel() + 8
+
+
+def send(pg: Any, named: Iterable[tuple[str, Any]], bucket_bytes: int, device: Any) -> PushReport:
+    """Broadcast ``named`` (rank 0) to every other rank of ``pg``, bucket by bucket; returns what
+    moved. A tensor is sent from its own storage (a non-contiguous one is copied first)."""
+    t0 = time.perf_counter()
+    n_b = n_t = payload = head = copied = 0
+    for i, bucket in enumerate(buckets(named, bucket_bytes)):
+        tensors = []
+        for _, t in bucket:
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+                copied += t.numel() * t.element_size()
+            tensors.append(t)
+        header = BucketHeader(
+            i, tuple(_spec(n, t) for (n, _), t in zip(bucket, tensors, strict=True)), digest(tensors)
+        )
+        head += _send_header(pg, header, device)
+        for t in tensors:
+            _broadcast(pg, t)
+        n_b, n_t, payload = n_b + 1, n_t + len(tensors), payload + header.bucket_bytes
+    head += _send_header(pg, BucketHeader(n_b, (), (0, 0), end=True), device)
+    return PushReport(n_b, n_t, payload, head, copied, time.perf_counter() - t0)
+
+
+def receive(pg: Any, device: Any, load: Callable[[list[tuple[str, Any]]], Any]) -> PushReport:
+    """Receive a push from rank 0: each bucket is allocated, received, checked against its digest
+    and handed to ``load`` before the next one. After a mismatch the rest is received and dropped
+    (the sender never waits on a worker that stopped listening) and the report names the bucket."""
+    import torch
+
+    t0 = time.perf_counter()
+    n_b = n_t = payload = head = 0
+    error = ""
+    while True:
+        header, nh = _recv_header(pg, device)
+        head += nh
+        if header.end:
+            break
+        got = []
+        for s in header.tensors:
+            t = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)
+            _broadcast(pg, t)
+            got.append(t)
+        payload += header.bucket_bytes
+        n_b, n_t = n_b + 1, n_t + len(got)
+        if error:
+            continue
+        if digest(got) != header.digest:
+            error = (
+                f"bucket {header.index} ({len(got)} tensors, first {header.tensors[0].name}): digest "
+                f"{digest(got)} != sent {header.digest}; buckets 0..{header.index - 1} were loaded, "
+                "nothing after"
+            )
+            continue
+        load([(s.name, t) for s, t in zip(header.tensors, got, strict=True)])
+        del got
+    return PushReport(n_b, n_t, payload, head, payload, time.perf_counter() - t0, error)
+
+
+def loads_in_place(device_type: str, quantization: str | None) -> bool:
+    """Whether a worker loads each bucket straight into its parameters (``model.load_weights``:
+    one copy) rather than through vLLM's layerwise reload. On CUDA an unquantized model keeps its
+    parameters in checkpoint layout, so the direct load is exact (as verl and slime load them); on
+    CPU vLLM repacks linear weights for its GEMM kernels after loading, and a quantized model's
+    are processed too: the reload restores those layouts and re-runs the processing."""
+    return device_type == "cuda" and not quantization
+
+
+def worker_rank(parallel_config: Any) -> int:
+    """A vLLM worker's rank among all the engine's workers (every DP replica, TP x PP each)."""
+    dp = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
+    return dp * int(parallel_config.world_size) + int(parallel_config.rank)
+
+
+def check_report(report: PushReport, what: str) -> PushReport:
+    if report.error:
+        raise EngineError(
+            f"{what}: {report.error}. The engine now holds a mix of old and new weights: reload them from "
+            "the checkpoint (train.weight_sync: object_store path) before it samples again"
+        )
+    return report
+
+
+def vllm_engine_class() -> type:
+    """The ``WeightTransferEngine`` registered as ``rollpacker`` (imports vLLM)."""
+    from dataclasses import dataclass as vdataclass
+
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+
+    @vdataclass
+    class InitInfo(WeightTransferInitInfo):
+        group: str  # core.weight_sync.TransferGroup as JSON
+
+    @vdataclass
+    class UpdateInfo(WeightTransferUpdateInfo):
+        policy_version: int
+
+    class CollectiveWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
+        init_info_cls = InitInfo
+        update_info_cls = UpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.pg: Any = None
+            self.report: PushReport | None = None
+            self.in_place = False
+
+        def init_transfer_engine(self, init_info: InitInfo) -> None:
+            group = TransferGroup.from_json(init_info.group, where="weight transfer group")
+            self.pg = open_group(group, group.rank_offset + worker_rank(self.parallel_config))
+
+        def start_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            self.in_place = loads_in_place(self.device.type, self.model_config.quantization)
+            if not self.in_place:
+                initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: UpdateInfo) -> None:
+            if self.pg is None:
+                raise EngineError("weight push before init_weight_transfer_engine")
+            model: Any = self.model
+            self.report = receive(self.pg, self.device, model.load_weights)
+
+        def finish_weight_update(self) -> None:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            if not self.in_place:
+                finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+
+        def shutdown(self) -> None:
+            self.pg = None
+
+    return CollectiveWeightEngine
+
+
+def register() -> None:
+    """Register the ``rollpacker`` backend in this process (idempotent)."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, vllm_engine_class())

@@ -1,0 +1,139 @@
+"""The collective weight push (``engines/weight_transfer.py``): bucketed, checked by digest, loaded
+bucket by bucket; into a real vLLM engine through its weight-transfer API, it serves exactly the
+weights the object-store path loads, and after an optimizer step the trainer's logprobs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines import weight_transfer as wt
+
+
+def _pair(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int, load: Callable[[list[Any]], Any]
+) -> tuple[wt.PushReport, wt.PushReport]:
+    """A push from rank 0 to rank 1 over gloo, both in this process (a thread each)."""
+    group = TransferGroup("127.0.0.1", wt.free_port("127.0.0.1"), 2, 1, "gloo", 60.0)
+    got: dict[str, wt.PushReport] = {}
+
+    def worker() -> None:
+        got["r"] = wt.receive(wt.open_group(group, 1), torch.device("cpu"), load)
+
+    th = threading.Thread(target=worker)
+    th.start()
+    sent = wt.send(wt.open_group(group, 0), named, bucket_bytes, torch.device("cpu"))
+    th.join(timeout=60)
+    return sent, got["r"]
+
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    named = [(f"layers.{i}.w", torch.randn(64 + i, 8, generator=g)) for i in range(6)]
+    named.append(("norm.bf16", torch.randn(33, generator=g).to(torch.bfloat16)))
+    named.append(("big", torch.randn(2000, generator=g)))  # larger than a bucket: alone
+    return named
+
+
+def test_a_push_loads_every_tensor_bit_for_bit_one_bucket_at_a_time() -> None:
+    named = _weights()
+    loaded: list[list[tuple[str, torch.Tensor]]] = []
+    sent, recv = _pair(named, 4096, lambda b: loaded.append([(n, t.clone()) for n, t in b]))
+    flat = dict(x for b in loaded for x in b)
+    assert list(flat) == [n for n, _ in named]
+    assert all(torch.equal(flat[n], t) and flat[n].dtype == t.dtype for n, t in named)
+    assert recv.buckets == sent.buckets == len(loaded) > 3 and not recv.error
+    assert all(sum(t.numel() * t.element_size() for _, t in b) <= 4096 or len(b) == 1 for b in loaded)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert sent.payload_bytes == recv.payload_bytes == total
+    assert sent.copied_bytes == 0  # sent from the tensors' own storage
+    assert recv.copied_bytes == total  # one receive buffer per tensor, nothing more
+
+
+def test_a_corrupted_bucket_is_refused_by_index_and_nothing_after_it_loads(monkeypatch: Any) -> None:
+    named = _weights()
+    real = wt.digest
+    calls = {"n": 0}
+
+    def sender_digest(tensors: Any) -> tuple[int, int]:  # the sender's 3rd bucket: a wrong digest
+        a, b = real(tensors)
+        if threading.current_thread() is threading.main_thread():  # the sender; the worker is a thread
+            calls["n"] += 1
+            return (a + 1, b) if calls["n"] == 3 else (a, b)
+        return a, b
+
+    monkeypatch.setattr(wt, "digest", sender_digest)
+    loaded: list[int] = []
+    sent, recv = _pair(named, 4096, lambda b: loaded.append(len(b)))
+    assert "bucket 2 " in recv.error and "buckets 0..1 were loaded" in recv.error
+    assert len(loaded) == 2  # buckets 0 and 1 only
+    assert recv.buckets == sent.buckets  # the rest was drained: both sides stay aligned
+    from rollpacker.core.errors import EngineError
+
+    with pytest.raises(EngineError, match=r"bucket 2 .*reload them from the checkpoint"):
+        wt.check_report(recv, "push")
+
+
+def test_a_worker_loads_in_place_only_where_vllm_keeps_the_checkpoint_layout() -> None:
+    assert wt.loads_in_place("cuda", None)  # the receive buffer and one copy: 2 full copies
+    assert not wt.loads_in_place("cpu", None)  # vLLM on CPU repacks its GEMM weights
+    assert not wt.loads_in_place("cuda", "fp8")  # quantized weights are processed after loading
+
+
+@pytest.mark.slow
+def test_a_collective_push_into_vllm_serves_the_trainers_weights(tmp_path: Any) -> None:
+    """One tiny engine (~1-2 min to start here): the collective push loads the same parameters as
+    the object-store path, and after an optimizer step the engine's logprobs are the trainer's."""
+    from rollpacker.core.config import EngineConfig, TrainerConfig
+    from rollpacker.engines.vllm_engine import VLLMEngine
+    from rollpacker.tasks.tiny_model import build_tiny_model
+    from rollpacker.trainers.torch_trainer import TorchTrainer
+    from tests.trainers.test_weight_sync import LOGPROB_TOL, _max_diff, _sample
+
+    model_dir = build_tiny_model("micro")
+    engine = VLLMEngine(
+        EngineConfig(model_dir=str(model_dir), max_num_seqs=16, max_model_len=256, kv_cache_gib=1)
+    )
+    try:
+        trainer = TorchTrainer(model_dir, TrainerConfig(lr=5e-3, grad_clip=0.0), temperature=1.0)
+        group = TransferGroup("127.0.0.1", wt.free_port("127.0.0.1"), 2, 1, "gloo", 300.0)
+        th = threading.Thread(target=engine.init_weight_transfer, args=(group,))
+        th.start()
+        pg = wt.open_group(group, 0)
+        th.join()
+
+        def push(version: int) -> tuple[wt.PushReport, list[wt.PushReport]]:
+            out: dict[str, Any] = {}
+            th = threading.Thread(target=lambda: out.setdefault("r", engine.receive_weights(version)))
+            th.start()
+            sent = wt.send(pg, trainer.weights(), 2**16, torch.device("cpu"))
+            th.join()
+            return sent, out["r"]
+
+        def params() -> dict[str, torch.Tensor]:
+            got = engine._engine.collective_rpc(
+                lambda w: {n: p.detach().clone() for n, p in w.model_runner.model.named_parameters()}
+            )
+            return dict(got[0])
+
+        engine.load_weights(trainer.weights())  # the object-store path's load
+        by_store = params()
+        sent, (recv,) = push(0)
+        assert recv.buckets == sent.buckets > 1 and recv.payload_bytes == sent.payload_bytes
+        by_collective = params()
+        assert all(torch.equal(by_collective[n], t) for n, t in by_store.items())
+
+        before = _sample(engine, "c/before", 1.0)
+        trainer.accumulate(before)
+        trainer.finish_step()
+        assert _max_diff(trainer, before) > 20 * LOGPROB_TOL  # the step moved the logprobs
+        push(1)
+        after = _sample(engine, "c/after", 1.0)
+        assert _max_diff(trainer, after) <= LOGPROB_TOL
+    finally:
+        engine.close()

@@ -1,0 +1,93 @@
+"""``train.weight_sync: collective`` in the trainer service: the update's weights go to the engine's
+workers over a process group (the engine's side is the outer edge here: a worker thread that
+receives with ``engines.weight_transfer.receive``), the group is set up once and again only when
+the engine is not in it, a due Hugging Face export is still written, and a push that cannot run
+falls back to the object store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines import weight_transfer as wt
+from rollpacker.services.api import WeightPeer, WeightPush
+from tests.services.test_scaledown_runtime import _group
+from tests.services.test_trainer_attempts import _service
+
+
+class _Engine:
+    """The rollout service's side of the push: one worker, receiving into a dict."""
+
+    def __init__(self) -> None:
+        self.pg: Any = None
+        self.port = 0
+        self.inits = 0
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.by_store: list[int] = []
+        self.broken = False
+
+    def weight_peer(self, port: int) -> WeightPeer:
+        if self.broken:
+            raise RuntimeError("the engine died")
+        return WeightPeer(1, self.pg is not None and port == self.port)
+
+    def init_weight_transfer(self, group: TransferGroup) -> None:
+        self.inits += 1
+        self.pg, self.port = wt.open_group(group, 1), group.port
+
+    def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
+        got: dict[str, torch.Tensor] = {}
+        r = wt.receive(self.pg, torch.device("cpu"), lambda b: got.update({n: t.clone() for n, t in b}))
+        self.loaded = got
+        return WeightPush(r.seconds, 1, r.buckets, r.payload_bytes)
+
+    def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
+        self.by_store.append(policy_version)
+        return 0.0
+
+
+class _Peers:
+    def __init__(self) -> None:
+        self.engine = _Engine()
+
+    def rollout(self) -> _Engine:
+        return self.engine
+
+    def refresh(self) -> None:
+        pass
+
+
+@pytest.mark.slow  # a trainer on the small model, two updates (~20 s here)
+def test_the_update_is_pushed_by_collective_once_a_group_is_up_and_by_the_store_when_it_cannot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = "train: {weight_sync: collective}\ncheckpoint: {export_every: 1}\n"
+    svc, state, base = _service(tmp_path, monkeypatch, extra)
+    peers = _Peers()
+    svc._peers = peers  # the engine side of the push (_service bound the default peers)
+    svc.begin("a0", state, base)
+    try:
+        for step in range(2):
+            svc.submit("a0", f"g{step}", _group(f"g{step}", step))
+            r = svc.finish("a0", step, (f"g{step}",), f"t/ckpt/s{step}/", f"t/batch/s{step}")
+            want = dict(svc.trainer.weights())
+            assert set(peers.engine.loaded) == set(want)
+            assert all(torch.equal(peers.engine.loaded[n], t) for n, t in want.items())
+            assert r.metrics["sync/collective"] == 1.0
+            exported = svc.store().list(f"t/sync/export/step-{step:06d}-a0/")
+            assert any(k.endswith(".safetensors") for k in exported), exported  # the HF export too
+            assert r.metrics["sync/weights_bytes"] == sum(t.numel() * t.element_size() for t in want.values())
+            state = state.successor(checkpoint_uri=r.checkpoint_uri, policy_version=r.policy_version)
+            svc.begin(f"a{step + 1}", state, base)
+            svc._attempt = "a0"  # the next finish is this attempt's again
+        assert peers.engine.inits == 1 and peers.engine.by_store == []  # one group, reused
+        peers.engine.broken = True  # no engine can receive: the object store takes the push
+        svc.submit("a0", "g2", _group("g2", 2))
+        r = svc.finish("a0", 2, ("g2",), "t/ckpt/s2/", "t/batch/s2")
+        assert peers.engine.by_store == [r.policy_version] and r.metrics["sync/collective"] == 0.0
+    finally:
+        svc.close()
