@@ -103,7 +103,9 @@ class StreamTrainer:
 
         # One intra-op thread for the gradient worker: the engine's decode loop keeps the other
         # cores. Two OpenMP teams spinning on the same cores slow both down many times over.
-        torch.set_num_threads(max(1, self.threads))
+        # torch._C's builtin: an in-process vLLM CPU engine replaces torch.set_num_threads with a
+        # no-op, which would leave this worker on every core.
+        torch._C.set_num_threads(max(1, self.threads))
         base_cores = _affinity()
         applied: frozenset[int] | None = None
         q = self._queues[lane]
@@ -256,4 +258,4 @@ def _apply(
     setter = getattr(os, "sched_setaffinity", None)
     if setter is not None and target:
         setter(0, target)
-    torch.set_num_threads(len(cores) if cores is not None else base_threads)
+    torch._C.set_num_threads(len(cores) if cores is not None else base_threads)  # see _run
