@@ -487,6 +487,9 @@ def _free_port_pairs(n: int, offset: int) -> list[int]:
 # -- the three services --------------------------------------------------------------------------
 
 
+READY_PROBE_KEY = ".rollpacker-ready-probe"
+
+
 def _start_seaweed(
     root: Path, ports: SeaweedPorts, creds: dict[str, str], bucket: str, timeout_s: float
 ) -> dict[str, Any]:
@@ -518,11 +521,17 @@ def _start_seaweed(
     store = _s3_client(address, creds, bucket, root)
 
     def ready(_: dict[str, Any]) -> bool:
+        """The bucket answers, and an object can be written and read back: the filer answers bucket
+        calls before the volume server has registered, and reads in that window fail (InternalError,
+        seen on a restart with data under load)."""
         try:
             store.create_bucket()
+            store.put_bytes(READY_PROBE_KEY, b"ok")
+            ok = store.get_bytes(READY_PROBE_KEY) == b"ok"
+            store.delete(READY_PROBE_KEY)
         except StoreError:
             return False
-        return True
+        return ok
 
     return _launch_and_wait("seaweedfs", root, cmd, {}, address, ready, timeout_s, bucket=bucket)
 
