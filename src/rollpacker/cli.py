@@ -1117,7 +1117,10 @@ def bench_whatif_papers(
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/whatif-papers.json"),
     only: Annotated[
         list[str] | None,
-        typer.Option(help="Run one part only: rollpacker (RollPacker's cases) or sortedrl (SortedRL 4.4.1)."),
+        typer.Option(
+            help="Run one part only: rollpacker (RollPacker's cases) or sortedrl (SortedRL 4.4.1).",
+            show_default="both parts",
+        ),
     ] = None,
 ) -> None:
     """The what-if simulator on paper-like workloads (H800, Qwen2.5-7B/14B/32B, P0=128, R0=8,
