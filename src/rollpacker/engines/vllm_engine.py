@@ -263,6 +263,18 @@ class _OmpThreads:
         self._local.done = True
 
 
+def _keep_exact_expand(on_cpu: bool) -> None:
+    """An in-process engine's start registers vLLM's kernels again, process-wide: where a
+    speculative engine in this process had the exact expand installed (``verification.py``), put
+    it back, or that engine would verify sampled drafts with vLLM's broken one again."""
+    from rollpacker.engines.speculation import PROPOSERS
+
+    if PROPOSERS:
+        from rollpacker.engines.verification import install_exact_expand
+
+        install_exact_expand("cpu" if on_cpu else "cuda")
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` behind the rollout engine port."""
 
@@ -286,6 +298,8 @@ class VLLMEngine:
             raise
         self._omp = _OmpThreads.capture() if in_process else None
         self._proposer = self._find_proposer() if cfg.speculation.enabled and in_process else None
+        if in_process:
+            _keep_exact_expand(self._on_cpu)
         self._draft_s = 0.0
         self.startup_s = time.perf_counter() - t0
         # An engine core in its own process runs ahead of this client (it keeps stepping while we
