@@ -79,3 +79,59 @@ def test_a_raising_expand_is_wrong_not_fatal() -> None:
         raise RuntimeError("no kernel")
 
     assert "RuntimeError: no kernel" in v.probe(boom)[0]
+
+
+class _Batch:
+    """The slice of vLLM's input batch the proposer reads: two requests of one prompt, the first
+    greedy, the second sampled, each repeating a 4-token cycle its own n-grams can draft."""
+
+    def __init__(self, temperatures: list[float]) -> None:
+        import numpy as np
+
+        self.req_ids = [f"s0/p0/r{j}/a0-0123abcd" for j in range(len(temperatures))]
+        self.num_prompt_tokens = np.array([2] * len(temperatures))
+        self.temperature_cpu = np.array(temperatures, dtype=np.float32)
+        self.token_ids = np.array([[9, 9, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2] + [0] * 8] * len(temperatures))
+
+
+class _Runner:
+    """Stands in for vLLM's model runner: the proposer finds the batch on its caller."""
+
+    def __init__(self, batch: _Batch) -> None:
+        self.input_batch = batch
+
+    def propose(self, proposer: Any) -> list[list[int]]:
+        b = self.input_batch
+        n = len(b.req_ids)
+        return list(proposer.propose([[2]] * n, [12] * n, b.token_ids))
+
+
+def _proposer(monkeypatch: pytest.MonkeyPatch, exact: bool) -> Any:
+    from types import SimpleNamespace
+
+    from rollpacker.core.drafts import SpeculationConfig
+    from rollpacker.engines import speculation
+
+    cfg = SpeculationConfig(enabled=True, max_draft_tokens=4, adaptive=False)
+    monkeypatch.setenv(speculation.ENV, speculation.speculation_env(cfg, None))
+    monkeypatch.setattr(speculation, "sampled_verification_is_exact", lambda _c: exact)
+    vllm_config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=4),
+        model_config=SimpleNamespace(max_model_len=64),
+    )
+    return speculation.GroupDraftProposer(vllm_config)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_where_verification_is_not_exact_a_batch_holding_a_sampled_request_gets_no_drafts(
+    monkeypatch: pytest.MonkeyPatch, exact: bool
+) -> None:
+    """With vLLM's broken expand a sampled row scales every row's logits by garbage, the greedy
+    rows' included: such a step drafts nothing; an all-greedy step drafts as usual. With exact
+    verification (the override) both kinds of request are drafted."""
+    proposer = _proposer(monkeypatch, exact)
+    assert proposer.sampled is exact  # sampled: auto
+    runner = _Runner(_Batch([0.0, 1.0]))
+    assert runner.propose(proposer) == ([[3, 4, 1, 2], [3, 4, 1, 2]] if exact else [[], []])
+    runner.input_batch = _Batch([0.0, 0.0])
+    assert runner.propose(proposer) == [[3, 4, 1, 2], [3, 4, 1, 2]]
