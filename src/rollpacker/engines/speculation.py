@@ -84,6 +84,13 @@ class ProposerStats:
     accepted_tokens: int = 0
     errors: int = 0
     k_last: int = 0
+    drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)  # verified drafts
+    accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, source: DraftSource, drafted: int, accepted: int) -> None:
+        """One request's verified draft from ``source``: ``accepted`` of its ``drafted`` tokens kept."""
+        self.drafted_by_source[source.value] = self.drafted_by_source.get(source.value, 0) + drafted
+        self.accepted_by_source[source.value] = self.accepted_by_source.get(source.value, 0) + accepted
 
 
 def sampled_verification_is_exact(vllm_config: Any) -> bool:
@@ -124,6 +131,7 @@ class GroupDraftProposer:
         self.policy = SpeculationPolicy(self.cfg, curve)
         self.stats = ProposerStats()
         self._drafted: dict[str, int] = {}  # request -> tokens drafted for it last step
+        self._source: dict[str, DraftSource] = {}  # request -> where last step's draft came from
         self._last_end = 0.0  # when the previous propose returned (a step lasts until the next call)
         self._prev_rows: set[str] = set()  # the requests of the previous step
         self._members: dict[str, set[str]] = {}  # group -> its requests still in the batch
@@ -182,8 +190,10 @@ class GroupDraftProposer:
         for i, rid in enumerate(req_ids):
             n_drafted = self._drafted.get(rid or "", 0)
             if n_drafted and sampled[i]:
+                ok = min(len(sampled[i]) - 1, n_drafted)
                 drafted += n_drafted
-                accepted += min(len(sampled[i]) - 1, n_drafted)
+                accepted += ok
+                self.stats.count(self._source[rid or ""], n_drafted, ok)
         self.policy.observe(drafted, accepted)
         # the step just run verified one token per row plus its drafts; a step that admitted new
         # requests (a prefill) says nothing about decode and is not timed
@@ -201,7 +211,7 @@ class GroupDraftProposer:
         if not self.exact and any(temperature[i] > 0 for i, rid in enumerate(req_ids) if rid is not None):
             k = 0
         self.stats.k_last = k
-        self._drafted = {}
+        self._drafted, self._source = {}, {}
         out: list[list[int]] = []
         for i, rid in enumerate(req_ids):
             if rid is None or not sampled[i] or (not self.sampled and temperature[i] > 0):
@@ -218,10 +228,11 @@ class GroupDraftProposer:
                 out.append([])
                 continue
             context = token_ids[i, max(0, n - self.cfg.max_match) : n].tolist()
-            d, _src = self.store.draft(rid, prompt_key, context, room)
+            d, src = self.store.draft(rid, prompt_key, context, room)
             out.append(d)
             if d:
                 self._drafted[rid] = len(d)
+                self._source[rid] = src or DraftSource.NGRAM
                 self.stats.drafted_requests += 1
         if k > 0:
             self.stats.speculated_steps += 1

@@ -14,7 +14,7 @@ still be guarded by ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import logging
 import os
 import signal
@@ -349,7 +349,7 @@ class VLLMEngine:
     def speculation_stats(self) -> ProposerStats | None:
         """A copy of the in-process proposer's counters (seconds drafting, steps speculated, ...);
         None when speculation is off or the engine core runs in another process."""
-        return dataclasses.replace(self._proposer.stats) if self._proposer is not None else None
+        return copy.deepcopy(self._proposer.stats) if self._proposer is not None else None
 
     def _stamp_core_outputs(self) -> None:
         """Wrap the engine core client's ``get_output`` to keep the core's timestamp of each batch."""
