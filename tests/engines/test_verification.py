@@ -24,6 +24,7 @@ def vllm_kernels() -> Any:
     return current_platform
 
 
+@pytest.mark.slow  # imports vLLM (~18 s in a fresh process)
 def test_the_probe_finds_the_installed_vllm_cpu_expand_wrong(vllm_kernels: Any) -> None:
     """When this fails, the installed vLLM's expand is exact (vllm-project/vllm#55006 released):
     delete engines/verification.py's override and its two call sites, and this test."""
@@ -35,6 +36,7 @@ def test_the_probe_finds_the_installed_vllm_cpu_expand_wrong(vllm_kernels: Any) 
     assert v.verification_path() is v.VerificationPath.OVERRIDE
 
 
+@pytest.mark.slow  # imports vLLM (~18 s in a fresh process)
 def test_with_the_override_the_rejection_sampler_expands_exactly(vllm_kernels: Any) -> None:
     import torch
     from vllm.v1.sample import rejection_sampler as rs
