@@ -111,3 +111,15 @@ def test_the_spec_arms_need_an_engine_that_drafts() -> None:
         run_arms(config_from_text(CFG), _prompts(40), {"plain": FakeEngine()}, arms="partial+spec")
     with pytest.raises(ConfigError, match="periods 0"):
         run_arms(config_from_text(CFG), _prompts(40), {"plain": FakeEngine()}, arms="sync", periods=0)
+
+
+def test_acceptance_by_source_counts_the_arm_only() -> None:
+    from rollpacker.bench.task_rollout import acceptance_by_source
+
+    before = ({"siblings": 10, "ngram": 4}, {"siblings": 5, "ngram": 1})
+    after = ({"siblings": 30, "ngram": 4, "history": 8}, {"siblings": 15, "ngram": 1, "history": 6})
+    got = acceptance_by_source(before, after)
+    assert got == {
+        "siblings": {"drafted": 20.0, "accepted": 10.0, "acceptance": 0.5},
+        "history": {"drafted": 8.0, "accepted": 6.0, "acceptance": 0.75},
+    }  # ngram drafted nothing in between: left out

