@@ -535,8 +535,10 @@ def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> 
         root,
         cmd,
         # RAY_LOGGER_LEVEL: Ray's Python components log at INFO every runtime env they create, its
-        # env_vars included (tests/test_secrets.py)
-        {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"},
+        # env_vars included (tests/test_secrets.py). The services directory goes to this node's
+        # processes (the services' actors find the local store's credentials file through it): the
+        # node's own setting, not a path a client forwards (services/registry.py)
+        {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning", SERVICES_DIR_ENV: str(root.resolve())},
         address,
         lambda: _port_open(RAY_HOST, ports.gcs),
         timeout_s,
