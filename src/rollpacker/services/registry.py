@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -662,19 +663,32 @@ def connect_ray(address: str, namespace: str) -> None:
         )
     _probe(addr)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    try:
-        ray.init(
-            address=addr,
-            namespace=namespace,
-            log_to_driver=False,
-            logging_level="ERROR",
-            configure_logging=True,
-        )
-    except Exception as e:  # ConnectionError, RuntimeError, ...
-        raise ServiceError(
-            f"services.ray_address = {addr!r}: no Ray cluster answers ({type(e).__name__}: {e}); start "
-            "the local one with `make up` or fix services.ray_address / $RAY_ADDRESS"
-        ) from e
+    for attempt in range(CLIENT_SERVER_ATTEMPTS):
+        try:
+            ray.init(
+                address=addr,
+                namespace=namespace,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=True,
+            )
+            return
+        except Exception as e:  # ConnectionError, RuntimeError, ...
+            # the head's Ray client proxy forks a server process per client, and the fork can die
+            # at start (seen here: a segfault in gRPC's event engine, forked while the proxy's
+            # gRPC threads ran): that fails this connect only ("Initialization failure from
+            # server"); the next connect gets another process
+            if "Initialization failure from server" in str(e) and attempt + 1 < CLIENT_SERVER_ATTEMPTS:
+                ray.shutdown()
+                time.sleep(2.0)
+                continue
+            raise ServiceError(
+                f"services.ray_address = {addr!r}: no Ray cluster answers ({type(e).__name__}: {e}); start "
+                "the local one with `make up` or fix services.ray_address / $RAY_ADDRESS"
+            ) from e
+
+
+CLIENT_SERVER_ATTEMPTS = 3  # Ray client connects (``ray://``) whose server process failed to start
 
 
 def _probe(addr: str, timeout_s: float = 3.0) -> None:
