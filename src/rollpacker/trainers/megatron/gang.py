@@ -117,7 +117,12 @@ class MegatronTrainer:
         self._saved: tuple[int, dict[str, Any]] | None = None  # the weights save_checkpoint gathered
         self._pg: Any = None
         self.actors: list[Any] = []
-        self._start()
+        self.nodes: list[str] = []  # each rank's node address, once the gang has started
+        try:
+            self._start()
+        except BaseException:  # a rank that failed to start: no actor or bundle is left holding resources
+            self.close()
+            raise
         self._reset_accum()
 
     # -- the gang -----------------------------------------------------------------------------------
@@ -173,6 +178,7 @@ class MegatronTrainer:
         ]
         coords = self._get([a.coords.remote() for a in self.actors], "start")
         self.coords: list[tuple[int, int, int]] = coords  # (tp, pp, dp) of each rank
+        self.nodes = self._get([a.node.remote() for a in self.actors], "start")
         self.dp = m.data_parallel
         self.pp = m.pp
 
@@ -183,14 +189,33 @@ class MegatronTrainer:
             raise TrainerError(f"the megatron gang is broken ({self.broken}): rebuild it from a checkpoint")
         try:
             return list(ray.get(refs))
-        except ray.exceptions.RayActorError as e:
-            self.broken = f"a rank died during {what}"
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            # a rank that died fails its peers' collectives too (gloo: "connection closed by peer"):
+            # whichever error came first, a dead rank breaks the gang
+            dead = self._dead_ranks()
+            if not dead and not isinstance(e, ray.exceptions.RayActorError):
+                raise TrainerError(f"megatron gang: {what} failed on a rank: {_tail(e)}") from e
+            lost = ", ".join(
+                f"rank {i} on node {self.nodes[i] if i < len(self.nodes) else '?'}" for i in dead
+            )
+            self.broken = f"{lost or 'a rank'} died during {what}"
             raise TrainerError(
-                f"megatron gang: a rank died during {what}; the step fails and the gang is rebuilt from the "
-                f"last checkpoint on the next attempt ({e.__class__.__name__}: {_tail(e)})"
+                f"megatron gang: {self.broken}; the step fails and the gang is rebuilt from the last "
+                f"checkpoint on the next attempt ({e.__class__.__name__}: {_tail(e)})"
             ) from e
-        except ray.exceptions.RayTaskError as e:
-            raise TrainerError(f"megatron gang: {what} failed on a rank: {_tail(e)}") from e
+
+    def _dead_ranks(self, timeout_s: float = 30.0) -> list[int]:
+        """The ranks whose actor is dead (a rank that does not answer within ``timeout_s`` counts)."""
+        import ray
+
+        refs = [a.coords.remote() for a in self.actors]
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception:
+                dead.append(i)
+        return dead
 
     def _ranks(self, *, dp: int | None = None, pp: int | None = None, tp: int | None = None) -> list[int]:
         return [

@@ -485,6 +485,12 @@ class RankWorker:
     def coords(self) -> tuple[int, int, int]:
         return self.tp_rank, self.pp_rank, self.dp_rank
 
+    def node(self) -> str:
+        """The address of this rank's node (named when the rank is lost)."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
     def close(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
