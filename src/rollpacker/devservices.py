@@ -357,6 +357,16 @@ def down(
     return counts
 
 
+@contextlib.contextmanager
+def running(root: Path | str, *, grace_s: float = 3.0, **kw: Any) -> Iterator[Services]:
+    """``up(root, **kw)`` for the block and ``down(root)`` after it (tests, benchmarks)."""
+    svc = up(root, **kw)
+    try:
+        yield svc
+    finally:
+        down(root, grace_s=grace_s)
+
+
 def status(root: Path | str = DEFAULT_ROOT) -> list[ServiceStatus]:
     """What ``up`` recorded under ``root``, and whether it is alive and answering."""
     root = Path(root)
