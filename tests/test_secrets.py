@@ -226,9 +226,10 @@ def test_services_get_no_secret_through_the_ray_runtime_env(
     planted: dict[str, str], store: devservices.Services, tmp_path: Path
 ) -> None:
     """The options the service registry creates Ray actors with carry none of the planted secrets
-    (Ray keeps a runtime env in its GCS and shows it on the dashboard); they name the services
-    directory, absolute, so a service finds the local store's credentials file, and a store opened
-    from exactly that environment reads and writes."""
+    (Ray keeps a runtime env in its GCS and shows it on the dashboard), nor a path of this
+    process's machine (a service may run on another node): the services directory reaches a
+    service from its own Ray node (``rollpacker up`` starts the head with it, tested below), and a
+    store opened from the runtime env and that node setting reads and writes."""
     from rollpacker.core.config import config_from_text
     from rollpacker.services.registry import RegistrySpec, ServiceRegistry
     from rollpacker.store import open_store
@@ -239,9 +240,9 @@ def test_services_get_no_secret_through_the_ray_runtime_env(
     opts = {role: reg.actor_options(role) for role in ("rollout", "reward", "trainer", "tracking")}
     _assert_clean(planted, texts={role: repr(o) for role, o in opts.items()})
     env = opts["rollout"]["runtime_env"]["env_vars"]
-    assert Path(env["ROLLPACKER_SERVICES_DIR"]).is_absolute()
-    assert Path(env["ROLLPACKER_SERVICES_DIR"]).resolve() == store.root.resolve()
-    s3 = open_store(cfg.store, env=env)  # what a service on this machine sees: no key variables
+    assert "ROLLPACKER_SERVICES_DIR" not in env
+    node = {"ROLLPACKER_SERVICES_DIR": str(store.root.resolve())}  # the local Ray head's own setting
+    s3 = open_store(cfg.store, env={**env, **node})  # what a service on this machine sees: no key variables
     s3.put_bytes("sec/probe", b"ok")
     assert s3.get_bytes("sec/probe") == b"ok"
 
@@ -264,7 +265,7 @@ def test_ray_head_logs_no_runtime_env_secret(
 ) -> None:
     """Ray's runtime env agent logs every runtime env it creates at INFO (a user's own actors may
     carry secrets in one; the services' carry none, tested above). `rollpacker up` starts Ray at
-    WARNING."""
+    WARNING, with its services directory in the node's environment (its actors inherit it)."""
     svc, rec = ray_head
     code = (
         "import os, ray\n"
@@ -273,14 +274,20 @@ def test_ray_head_logs_no_runtime_env_secret(
         "class A:\n"
         "    def n(self):\n"
         "        return len(os.environ['ROLLPACKER_S3_SECRET_KEY'])\n"
+        "    def services_dir(self):\n"
+        "        return 'dir=' + os.environ.get('ROLLPACKER_SERVICES_DIR', '')\n"
         "env = {'ROLLPACKER_S3_SECRET_KEY': os.environ['ROLLPACKER_S3_SECRET_KEY']}\n"
         "a = A.options(runtime_env={'env_vars': env}).remote()\n"
+        "print(ray.get(a.services_dir.remote()))\n"
         "print(ray.get(a.n.remote()))\n"
     )
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip() == str(len(planted["ROLLPACKER_S3_SECRET_KEY"]))  # the actor got the key
+    services_dir, n = res.stdout.strip().splitlines()[-2:]  # dir=<the actor's services directory>, n
+    assert n == str(len(planted["ROLLPACKER_S3_SECRET_KEY"]))  # the actor got the key
+    # an actor on the head finds the local credentials through its node's own services directory
+    assert services_dir == "dir=" + str(svc.root.resolve())
     logs = [Path(rec["temp_dir"]), svc.root / "logs"]
     _assert_clean(planted, logs, {"stdout": res.stdout, "stderr": res.stderr})
 

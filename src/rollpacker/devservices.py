@@ -396,6 +396,16 @@ def down(
     return counts
 
 
+@contextlib.contextmanager
+def running(root: Path | str, *, grace_s: float = 3.0, **kw: Any) -> Iterator[Services]:
+    """``up(root, **kw)`` for the block and ``down(root)`` after it (tests, benchmarks)."""
+    svc = up(root, **kw)
+    try:
+        yield svc
+    finally:
+        down(root, grace_s=grace_s)
+
+
 def status(root: Path | str = DEFAULT_ROOT) -> list[ServiceStatus]:
     """What ``up`` recorded under ``root``, and whether it is alive and answering."""
     root = Path(root)
@@ -592,8 +602,10 @@ def _start_ray(root: Path, ports: RayPorts, num_cpus: int, timeout_s: float) -> 
         root,
         cmd,
         # RAY_LOGGER_LEVEL: Ray's Python components log at INFO every runtime env they create, its
-        # env_vars included (tests/test_secrets.py)
-        {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning"},
+        # env_vars included (tests/test_secrets.py). The services directory goes to this node's
+        # processes (the services' actors find the local store's credentials file through it): the
+        # node's own setting, not a path a client forwards (services/registry.py)
+        {"RAY_AUTH_MODE": "disabled", "RAY_LOGGER_LEVEL": "warning", SERVICES_DIR_ENV: str(root.resolve())},
         address,
         # the daemons up, then one real client connection (the check `up` reuses a head by)
         lambda rec: _port_open(RAY_HOST, ports.gcs) and _ray_daemons_alive(rec) and _ray_client_ok(address),

@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -80,7 +81,6 @@ from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
 from rollpacker.store import open_store
-from rollpacker.store.s3 import SERVICES_DIR_ENV, local_credentials_path
 from rollpacker.store.state_store import StateStore
 
 P = ParamSpec("P")
@@ -387,16 +387,17 @@ class RegistrySpec:
     ray_address: str = ""
     namespace: str = "rollpacker"
     call_timeout_s: float = 1800.0
-    # what the services inherit from the process that creates them: never a secret. The store's
-    # keys reach a service from its own node's environment (the cluster's Ray pods mount the
-    # store's Secret) or from the local credentials file `rollpacker up` wrote (mode 0600), found
-    # through $ROLLPACKER_SERVICES_DIR (made absolute here). A runtime env is not secret: Ray
-    # keeps it in the GCS and shows it on the dashboard (docs/operations.md, "Secrets").
+    # what the services inherit from the process that creates them: never a secret, never a path
+    # of this process's machine (a service may run on another node). The store's keys reach a
+    # service from its own node's environment (the cluster's Ray pods mount the store's Secret) or
+    # from the local credentials file `rollpacker up` wrote (mode 0600), found through the
+    # $ROLLPACKER_SERVICES_DIR of the Ray node it runs on (`rollpacker up` starts its Ray head with
+    # it). A runtime env is not secret: Ray keeps it in the GCS and shows it on the dashboard
+    # (docs/operations.md, "Secrets").
     forward_env: tuple[str, ...] = (
         "ROLLPACKER_CACHE",
         CHECKPOINT_CACHE_ENV,
         "ROLLPACKER_LOCAL_SERVICES",
-        SERVICES_DIR_ENV,
         "MALLOC_ARENA_MAX",
     )
     role_resources: bool = False  # ask for the role's worker-group resource (services.role_resources)
@@ -533,7 +534,6 @@ class ServiceRegistry(Peers):
         if gpus:
             opts["num_gpus"] = gpus  # Ray sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own
         env = {k: os.environ[k] for k in self.spec.forward_env if os.environ.get(k)}
-        env[SERVICES_DIR_ENV] = str(local_credentials_path().parent.resolve())
         # glibc gives every thread that allocates its own malloc arena (up to 8 per core), and the
         # services' threads (streamed gradients, reward workers, Ray's) keep growing them: the soak
         # measured +48 MB per 100 steps in the trainer without a cap, flat with 2
@@ -686,19 +686,32 @@ def connect_ray(address: str, namespace: str) -> None:
             "restarts it"
         )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    try:
-        ray.init(
-            address=addr,
-            namespace=namespace,
-            log_to_driver=False,
-            logging_level="ERROR",
-            configure_logging=True,
-        )
-    except Exception as e:  # ConnectionError, RuntimeError, ...
-        raise ServiceError(
-            f"services.ray_address = {addr!r}: no Ray cluster answers ({type(e).__name__}: {e}); start "
-            "the local one with `make up` or fix services.ray_address / $RAY_ADDRESS"
-        ) from e
+    for attempt in range(CLIENT_SERVER_ATTEMPTS):
+        try:
+            ray.init(
+                address=addr,
+                namespace=namespace,
+                log_to_driver=False,
+                logging_level="ERROR",
+                configure_logging=True,
+            )
+            return
+        except Exception as e:  # ConnectionError, RuntimeError, ...
+            # the head's Ray client proxy forks a server process per client, and the fork can die
+            # at start (seen here: a segfault in gRPC's event engine, forked while the proxy's
+            # gRPC threads ran): that fails this connect only ("Initialization failure from
+            # server"); the next connect gets another process
+            if "Initialization failure from server" in str(e) and attempt + 1 < CLIENT_SERVER_ATTEMPTS:
+                ray.shutdown()
+                time.sleep(2.0)
+                continue
+            raise ServiceError(
+                f"services.ray_address = {addr!r}: no Ray cluster answers ({type(e).__name__}: {e}); start "
+                "the local one with `make up` or fix services.ray_address / $RAY_ADDRESS"
+            ) from e
+
+
+CLIENT_SERVER_ATTEMPTS = 3  # Ray client connects (``ray://``) whose server process failed to start
 
 
 def _probe(addr: str, timeout_s: float = 3.0) -> None:

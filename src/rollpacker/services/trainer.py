@@ -156,13 +156,13 @@ class TrainerService(Service, TrainerAPI):
         """The trainer at ``checkpoint_uri`` (weights, optimizer, RNG, policy version)."""
         from rollpacker.trainers.torch_trainer import TorchTrainer, train_placement
 
-        ck = cached_download(self.store(), checkpoint_uri, checkpoint_cache())
-        base = cached_download(self.store(), base_uri, checkpoint_cache())
         cfg = self.cfg
-        if cfg.train.backend == "megatron":
-            self._restore_megatron(ck)
+        if cfg.train.backend == "megatron":  # the ranks read the store themselves: nothing downloaded here
+            self._restore_megatron(checkpoint_uri)
             self.checkpoint_uri = checkpoint_uri
             return
+        ck = cached_download(self.store(), checkpoint_uri, checkpoint_cache())
+        base = cached_download(self.store(), base_uri, checkpoint_cache())
         device, dtype = train_placement(cfg.train, cfg.gpu_declarations)  # train.device, train.dtype
         self.trainer = TorchTrainer(
             ck / "model" if (ck / "model").is_dir() else ck,
@@ -176,27 +176,31 @@ class TrainerService(Service, TrainerAPI):
             self.trainer.load_checkpoint(ck)
         self.checkpoint_uri = checkpoint_uri
 
-    def _restore_megatron(self, ck: Path) -> None:
-        """The megatron gang at checkpoint ``ck``: the running gang reloads it (dist_checkpointing,
-        resharded to this layout); a broken gang (a rank died), none, or a restart from the base
-        model (fresh optimizer state) builds the gang anew first."""
+    def _restore_megatron(self, checkpoint_uri: str) -> None:
+        """The megatron gang at the checkpoint ``checkpoint_uri``: the running gang reloads it
+        (dist_checkpointing, resharded to this layout); a broken gang (a rank died), none, or a
+        restart from the base model (fresh optimizer state) builds the gang anew first. Neither
+        this service nor the ranks are handed a path: each rank fetches its part from the store
+        on its own node (``trainers/megatron/source.py``), so no filesystem is shared."""
         from rollpacker.trainers.megatron.gang import MegatronTrainer
+        from rollpacker.trainers.megatron.source import StoreSource
 
         cfg = self.cfg
-        base = not (ck / "trainer.json").is_file()
+        src = StoreSource(cfg.store, checkpoint_uri)
+        base = not src.exists("trainer.json")
         if self.trainer is not None and (base or getattr(self.trainer, "broken", "")):
             self.trainer.close()
             self.trainer = None
         if self.trainer is None:
             self.trainer = MegatronTrainer(
-                ck / "model" if (ck / "model").is_dir() else ck,
+                src.model(),
                 dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
                 temperature=cfg.rollout.temperature,
                 longest_tokens=cfg.engine.max_model_len,  # prompt + response: the memory preflight
             )
             if base:
                 return  # the base model: the gang was built from it
-        self.trainer.load_checkpoint(ck)
+        self.trainer.restore(src)
 
     def holds(self, checkpoint_uri: str) -> bool:
         """False, too, while an older attempt's ``finish`` is still in flight (waiting for groups

@@ -19,6 +19,8 @@ hook point: ``plan``, ``rollout``, ``reward``, ``judge``, ``train``, ``commit``)
   seconds (default 3) and started again on the same ports and data, while the stage goes on;
 - ``mlflow-down``: the MLflow server is stopped, and started again at the first hook point of a
   later step (it misses at least this step's logging);
+- ``node-down``: a Ray worker node's raylet is SIGKILLed (its workers die with it), and the node
+  is started again (the two-node test's controller);
 - ``sandbox-hang``: the next sandbox run of the reward service is frozen (SIGSTOP of its
   ``nsjail``), as a hung worker would be, by a watcher process the hook starts (the stage goes
   on); the watcher waits until the sandbox's own wall limit has ended the run.
@@ -45,7 +47,8 @@ HOOK = "rollpacker.testing.faults:kill_at"
 SERVICES_ENV = "ROLLPACKER_FAULT_SERVICES"
 OUTAGE_ENV = "ROLLPACKER_FAULT_OUTAGE_S"
 ENGINE_CORE = "EngineCore"
-CONTROLLED = ("s3-restart", "mlflow-down")  # carried out by the fault controller
+# carried out by the fault controller (node-down: the two-node test's, tests/experiment/test_two_nodes.py)
+CONTROLLED = ("s3-restart", "mlflow-down", "node-down")
 SANDBOX_HANG = "sandbox-hang"
 ACK_TIMEOUT_S = 90.0
 

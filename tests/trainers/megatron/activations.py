@@ -84,12 +84,13 @@ def measure(model_dir: str, lengths: tuple[int, ...] = LENGTHS) -> dict[str, dic
     from megatron.core import parallel_state as ps
 
     from rollpacker.core.config import TrainerConfig
+    from rollpacker.trainers.megatron.source import StoreSource
     from rollpacker.trainers.megatron.worker import RankSpec, RankWorker
 
     out: dict[str, dict[int, int]] = {}
     for recompute, dtype in MODES:
         spec = RankSpec(
-            model_dir=model_dir,
+            model=StoreSource.local(model_dir),
             train=TrainerConfig(tokens_per_micro_batch=max(lengths)),
             tp=1,
             pp=1,

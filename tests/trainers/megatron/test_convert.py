@@ -11,7 +11,12 @@ import torch
 
 from rollpacker.core.errors import ConfigError
 from rollpacker.trainers.megatron.convert import Qwen2Layout, _pack_qkv, gather_tp, to_hf, to_mcore
-from rollpacker.trainers.megatron.worker import _read_hf
+
+
+def _read_hf(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return dict(load_file(str(model_dir / "model.safetensors")))
 
 
 def _round_trip(hf: dict[str, torch.Tensor], lay: Qwen2Layout, tp: int, pp: int) -> dict[str, torch.Tensor]:

@@ -197,7 +197,7 @@ def test_adam_resume_is_exact_with_the_distributed_optimizer(
         import ray
 
         ray.kill(mt.actors[1])
-        with pytest.raises(TrainerError, match=r"a rank died during accumulate"):
+        with pytest.raises(TrainerError, match=r"rank 1 on node [\d.]+ died during accumulate"):
             mt.accumulate(samples)  # groups on both replicas
         assert mt.broken
     finally:

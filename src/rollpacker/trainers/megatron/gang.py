@@ -62,18 +62,24 @@ from rollpacker.engines.weight_transfer import PushReport
 from rollpacker.store.base import ObjectStore
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.megatron.convert import Qwen2Layout
+from rollpacker.trainers.megatron.source import StoreSource
 from rollpacker.trainers.torch_trainer import _TOKENIZER_FILES, merged_fidelity, with_old_logprobs
 
 CHECKPOINT_VERSION = 1
 
 
-def check_layout(model_dir: str | Path, cfg: TrainerConfig, longest_tokens: int | None = None) -> Qwen2Layout:
+def check_layout(
+    model: str | Path | StoreSource, cfg: TrainerConfig, longest_tokens: int | None = None
+) -> Qwen2Layout:
     """The model's layout, after refusing (by name) what the gang could not run: a split the model
     does not allow, or, on GPUs, a plan whose ranks would not fit ``train.megatron.gpu_memory_gib``
     (``core/memory.py``) with sequences of ``longest_tokens`` (prompt + response; default: one
     micro-batch, ``train.tokens_per_micro_batch``)."""
     mcfg = cfg.megatron
-    lay = Qwen2Layout.from_dir(model_dir)
+    src = model if isinstance(model, StoreSource) else StoreSource.local(model)
+    if not src.exists("config.json"):
+        raise TrainerError(f"model {src.uri} has no config.json: pass a Hugging Face model")
+    lay = Qwen2Layout.from_config(src.read_json("config.json"), where=src.uri)
     lay.check_parallel(mcfg.tp, mcfg.pp)
     if mcfg.gpus_per_rank > 0:  # CPU ranks share the host's memory: nothing to size per device
         plan = MemoryPlan.of(mcfg, longest_tokens or cfg.tokens_per_micro_batch, cfg.tokens_per_micro_batch)
@@ -86,7 +92,7 @@ class MegatronTrainer:
 
     def __init__(
         self,
-        model_dir: str | Path,
+        model: str | Path | StoreSource,
         cfg: TrainerConfig,
         temperature: float = 1.0,
         ref_model_dir: str | Path | None = None,
@@ -97,8 +103,11 @@ class MegatronTrainer:
                 f"temperature = {temperature}: policy-gradient training needs sampled responses"
             )
         self.cfg, self.mcfg = cfg, cfg.megatron
-        self.model_dir = Path(model_dir)
-        self.layout = check_layout(self.model_dir, cfg, longest_tokens)  # before any process starts
+        # the ranks read the weights from the store, each on its own node (source.py); a local
+        # directory (tests, one machine) is read as a file store
+        self.source = (model if isinstance(model, StoreSource) else StoreSource.local(model)).model()
+        self.layout = check_layout(self.source, cfg, longest_tokens)  # before any process starts
+        self.model_dir = _meta_dir(self.source)  # this driver's copy of config and tokenizer files
         self.estimator = get_advantage_estimator(cfg.advantage_estimator)
         if self.estimator.scope.name == "BATCH":
             raise TrainerError(
@@ -115,12 +124,16 @@ class MegatronTrainer:
         self.optimizer_steps = 0
         self.broken = ""
         self._saved: tuple[int, dict[str, Any]] | None = None  # the weights save_checkpoint gathered
-        self._lock = (
-            threading.Lock()
-        )  # the step's sums: the stream trainer accumulates from a thread per replica
+        # the step's sums: the stream trainer accumulates from a thread per replica
+        self._lock = threading.Lock()
         self._pg: Any = None
         self.actors: list[Any] = []
-        self._start()
+        self.nodes: list[str] = []  # each rank's node address, once the gang has started
+        try:
+            self._start()
+        except BaseException:  # a rank that failed to start: no actor or bundle is left holding resources
+            self.close()
+            raise
         self._reset_accum()
 
     # -- the gang -----------------------------------------------------------------------------------
@@ -151,7 +164,7 @@ class MegatronTrainer:
 
         addr, port = ray.get(_rendezvous.options(scheduling_strategy=where(0), num_cpus=0).remote())
         spec = RankSpec(
-            model_dir=str(self.model_dir),
+            model=self.source,
             train=self.cfg,
             tp=m.tp,
             pp=m.pp,
@@ -176,6 +189,7 @@ class MegatronTrainer:
         ]
         coords = self._get([a.coords.remote() for a in self.actors], "start")
         self.coords: list[tuple[int, int, int]] = coords  # (tp, pp, dp) of each rank
+        self.nodes = self._get([a.node.remote() for a in self.actors], "start")
         self.dp = m.data_parallel
         self.pp = m.pp
 
@@ -186,14 +200,33 @@ class MegatronTrainer:
             raise TrainerError(f"the megatron gang is broken ({self.broken}): rebuild it from a checkpoint")
         try:
             return list(ray.get(refs))
-        except ray.exceptions.RayActorError as e:
-            self.broken = f"a rank died during {what}"
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            # a rank that died fails its peers' collectives too (gloo: "connection closed by peer"):
+            # whichever error came first, a dead rank breaks the gang
+            dead = self._dead_ranks()
+            if not dead and not isinstance(e, ray.exceptions.RayActorError):
+                raise TrainerError(f"megatron gang: {what} failed on a rank: {_tail(e)}") from e
+            lost = ", ".join(
+                f"rank {i} on node {self.nodes[i] if i < len(self.nodes) else '?'}" for i in dead
+            )
+            self.broken = f"{lost or 'a rank'} died during {what}"
             raise TrainerError(
-                f"megatron gang: a rank died during {what}; the step fails and the gang is rebuilt from the "
-                f"last checkpoint on the next attempt ({e.__class__.__name__}: {_tail(e)})"
+                f"megatron gang: {self.broken}; the step fails and the gang is rebuilt from the last "
+                f"checkpoint on the next attempt ({e.__class__.__name__}: {_tail(e)})"
             ) from e
-        except ray.exceptions.RayTaskError as e:
-            raise TrainerError(f"megatron gang: {what} failed on a rank: {_tail(e)}") from e
+
+    def _dead_ranks(self, timeout_s: float = 30.0) -> list[int]:
+        """The ranks whose actor is dead (a rank that does not answer within ``timeout_s`` counts)."""
+        import ray
+
+        refs = [a.coords.remote() for a in self.actors]
+        dead = []
+        for i, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception:
+                dead.append(i)
+        return dead
 
     def _ranks(self, *, dp: int | None = None, pp: int | None = None, tp: int | None = None) -> list[int]:
         return [
@@ -414,31 +447,22 @@ class MegatronTrainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> Path:
-        """``model/`` (HF, loadable by vLLM), ``dist/`` (dist_checkpointing: model + optimizer,
-        reshardable), ``trainer.json``; written to a sibling and renamed. The directory must be on a
-        filesystem every rank sees (one node, or a shared volume)."""
-        from safetensors.torch import save_file
+        """``store_checkpoint`` into a directory of this machine (a file store at its parent),
+        written to a sibling and renamed. The directory must be on a filesystem every rank sees
+        (one node, or a shared volume); across nodes use the object store (``store_checkpoint``)."""
+        from rollpacker.store.local import FileStore
 
-        path = Path(path)
-        if self.pending_samples:
-            raise TrainerError("checkpoint with streamed gradients pending: finish_step first")
+        path = Path(path).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
         try:
-            self._all("save_checkpoint", str(tmp / "dist"))
-            (tmp / "model").mkdir()
-            gathered = {n: t.contiguous() for n, t in self.weights()}
-            state = {n: t for n, t in gathered.items() if n != "lm_head.weight" or not self.layout.tied}
-            save_file(state, str(tmp / "model" / "model.safetensors"), metadata={"format": "pt"})
-            for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
-                if (self.model_dir / f).is_file():
-                    shutil.copy2(self.model_dir / f, tmp / "model" / f)
-            (tmp / "trainer.json").write_text(json.dumps(self._meta(), indent=2))
-            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+            tmp.rmdir()  # the store writes it
+            self.store_checkpoint(
+                FileStore(path.parent), StoreConfig(endpoint=f"file://{path.parent}"), tmp.name
+            )
             if path.exists():
                 shutil.rmtree(path)
             os.replace(tmp, path)
-            self._saved = (self.policy_version, gathered)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -500,36 +524,34 @@ class MegatronTrainer:
         }
 
     def load_checkpoint(self, path: Path) -> None:
-        """Weights and optimizer state from ``dist/`` (resharded to this gang's layout)."""
-        path = Path(path)
-        meta_f = path / "trainer.json"
-        if not meta_f.is_file():
-            raise TrainerError(f"{path} is not a trainer checkpoint (no trainer.json)")
-        meta = json.loads(meta_f.read_text())
-        if meta.get("backend") != "megatron" or not (path / "dist").is_dir():
-            # a torch-backend checkpoint (or the base model): weights only, from model/
-            self._load_hf_dir(path / "model" if (path / "model").is_dir() else path)
+        """``restore`` from a directory of this machine (read as a file store)."""
+        self.restore(StoreSource.local(path))
+
+    def restore(self, src: StoreSource) -> None:
+        """Weights and optimizer state from the checkpoint at ``src`` in the store: its ``dist/``
+        (resharded to this gang's layout), or, for a torch-backend checkpoint, its HF weights.
+        Every rank fetches what it reads on its own node; this driver reads only ``trainer.json``
+        and the RNG state."""
+        if not src.exists("trainer.json"):
+            raise TrainerError(f"{src.uri} is not a trainer checkpoint (no trainer.json)")
+        meta = src.read_json("trainer.json")
+        if meta.get("backend") != "megatron" or not src.exists("dist/.metadata"):
+            self._all("load_source", src.model())  # the torch backend's checkpoint: weights only
         else:
             self._all(
                 "load_checkpoint",
-                str(path / "dist"),
+                src.child("dist"),
                 int(meta["policy_version"]),
                 int(meta["optimizer_steps"]),
             )
-        if (path / "rng.pt").is_file():
-            rng = torch.load(path / "rng.pt", weights_only=False)
+        if src.exists("rng.pt"):
+            rng = src.read_torch("rng.pt")
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
         self.policy_version = int(meta["policy_version"])
         self.optimizer_steps = int(meta["optimizer_steps"])
         self._saved = None
         self._reset_accum()
-
-    def _load_hf_dir(self, model_dir: Path) -> None:
-        from rollpacker.trainers.megatron.worker import _read_hf
-
-        hf = _read_hf(model_dir)
-        self._all("load_hf", hf)
 
     def close(self) -> None:
         import ray
@@ -538,12 +560,23 @@ class MegatronTrainer:
             with contextlib.suppress(Exception):
                 ray.kill(a)
         self.actors = []
+        shutil.rmtree(self.model_dir, ignore_errors=True)
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
             with contextlib.suppress(Exception):
                 remove_placement_group(self._pg)
             self._pg = None
+
+
+def _meta_dir(src: StoreSource) -> Path:
+    """A directory of this driver holding the model's config and tokenizer files (what a
+    checkpoint and an export copy beside the weights), read from the store."""
+    out = Path(tempfile.mkdtemp(prefix="rollpacker-meta-"))
+    for f in ("config.json", "generation_config.json", *_TOKENIZER_FILES):
+        if src.exists(f):
+            (out / f).write_bytes(src.read_bytes(f))
+    return out
 
 
 def _local_ray(num_cpus: float, attempts: int = 3) -> None:

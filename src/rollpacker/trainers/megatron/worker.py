@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from rollpacker.core.errors import TrainerError
 from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.stream_math import LossNorm
 from rollpacker.trainers.megatron.convert import Qwen2Layout, gather_tp, to_hf, to_mcore
+from rollpacker.trainers.megatron.source import LazyWeights, StoreSource
 from rollpacker.trainers.objectives import get_objective
 from rollpacker.trainers.torch_trainer import TorchTrainer, _micro_batches, _pad
 
@@ -46,7 +47,7 @@ from rollpacker.trainers.torch_trainer import TorchTrainer, _micro_batches, _pad
 class RankSpec:
     """What every rank of a gang is built from (the same on all ranks)."""
 
-    model_dir: str
+    model: StoreSource  # the weights every rank fetches on its own node (source.py); never a path
     train: TrainerConfig
     tp: int
     pp: int
@@ -92,13 +93,13 @@ class RankWorker:
         self.cfg = spec.train
         self.norm = LossNorm(self.cfg.loss_norm)
         self.objective = get_objective("ppo" if self.cfg.objective == "auto" else self.cfg.objective)
-        self.layout = Qwen2Layout.from_dir(spec.model_dir)
+        self.layout = Qwen2Layout.from_config(spec.model.read_json("config.json"), where=spec.model.uri)
         self.layout.check_parallel(spec.tp, spec.pp)
         if self.cfg.kl_coef > 0:
             raise TrainerError("train.kl_coef > 0 is not supported by the megatron backend yet")
         self._init_distributed()
         self.model, self.optimizer = self._build()
-        self.load_hf(_read_hf(Path(spec.model_dir)))
+        self.load_source(spec.model)
 
     # -- set-up -----------------------------------------------------------------------------------
     def _init_distributed(self) -> None:
@@ -225,8 +226,22 @@ class RankWorker:
         inner = self.model.module
         return inner.module if self.spec.bf16 else inner
 
-    def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
-        """Set this rank's shard from a full HF state dict (and the optimizer's fp32 copies)."""
+    def load_source(self, src: StoreSource) -> list[str]:
+        """Collective over the gang: this rank's shard of the Hugging Face model at ``src``, read
+        tensor by tensor from its node's copy (``source.py``); the copy is removed once every rank
+        has loaded. Returns the names of the HF tensors this rank read."""
+        weights = LazyWeights(src.fetch())
+        try:
+            self.load_hf(weights)
+        finally:
+            weights.close()
+        torch.distributed.barrier()
+        src.drop()
+        return weights.reads
+
+    def load_hf(self, hf: Mapping[str, torch.Tensor]) -> None:
+        """Set this rank's shard from an HF state dict (only its stage's tensors are read), and
+        the optimizer's fp32 copies."""
         s = self.spec
         sd = to_mcore(hf, self.layout, s.tp, self.tp_rank, s.pp, self.pp_rank)
         own = self.module.state_dict()
@@ -428,16 +443,6 @@ class RankWorker:
             ),
         }
 
-    def save_checkpoint(self, path: str) -> None:
-        """Collective over the gang: model and optimizer state with dist_checkpointing."""
-        from megatron.core import dist_checkpointing
-
-        if self.rank == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(self._sharded(is_loading=False), path)
-        torch.distributed.barrier()
-
     def store_checkpoint(self, store: StoreConfig, prefix: str) -> int:
         """Collective over the gang, streamed: this rank's part of the dist_checkpointing save
         (its shard files; rank 0 also the metadata) into a scratch directory of its own, uploaded
@@ -460,15 +465,19 @@ class RankWorker:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def load_checkpoint(self, path: str, policy_version: int, optimizer_steps: int) -> None:
-        """Collective over the gang: load (and reshard) model and optimizer state."""
+    def load_checkpoint(self, src: StoreSource, policy_version: int, optimizer_steps: int) -> None:
+        """Collective over the gang: load (and reshard) model and optimizer state from the
+        ``dist/`` checkpoint at ``src``, fetched once per node; the copy is removed once every
+        rank has loaded."""
         from megatron.core import dist_checkpointing
 
         from rollpacker.trainers.megatron import cpu_shim
 
         if self.spec.optimizer == "adam":
             cpu_shim.init_torch_adam_state(self.optimizer)  # a gang that has not stepped yet
-        state = dist_checkpointing.load(self._sharded(is_loading=True), path)
+        state = dist_checkpointing.load(self._sharded(is_loading=True), str(src.fetch()))
+        torch.distributed.barrier()
+        src.drop()
         self.module.load_state_dict(state["model"], strict=False)
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -525,6 +534,12 @@ class RankWorker:
         )
         return send(pg, gathered(), bucket_bytes, device).to_json()
 
+    def node(self) -> str:
+        """The address of this rank's node (named when the rank is lost)."""
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+
     def close(self) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -558,15 +573,3 @@ def recompute_settings(mode: str) -> dict[str, Any]:
 
 
 _OPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-
-
-def _read_hf(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise TrainerError(f"{model_dir} holds no *.safetensors weights")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
