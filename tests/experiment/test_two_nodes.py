@@ -85,6 +85,7 @@ def _config(svc: devservices.Services, nodes: TwoNodes, tmp: Path) -> Path:
             "validation": {"every": 100, "max_tokens": 32},
             "train.backend": "megatron",
             "train.megatron": {"dp": 2, "resource": "rollpacker_training"},
+            "train.weight_sync": "collective",  # the gang's sending rank to the engine, across nodes
             "reward": {},
         },
     )
@@ -165,6 +166,10 @@ def test_two_nodes_run_survives_the_worker_node_lost_mid_step(
     tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
     run_id = chain[-1].mlflow_run_id
     assert [s for s, _ in tracker.metric_history(run_id, "train/loss")] == list(range(1, STEPS + 1))
+    # the weights went by the collective push (the object store only as the fallback of a step
+    # whose push could not run, which the lost node's step may be)
+    pushed = [v for _, v in tracker.metric_history(run_id, "sync/collective")]
+    assert len(pushed) == STEPS and sum(pushed) >= STEPS - 1, pushed
 
     # where things ran: a rank fetched its weights on each node (its own /tmp), the rollout
     # engine's checkpoint copies are in the head's $HOME only
