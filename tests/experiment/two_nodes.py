@@ -140,7 +140,7 @@ class TwoNodes:
             cmd,
             env,
             f"{node.ip}:{self.gcs_port}",
-            lambda: self._alive_nodes() >= wait,
+            lambda _: self._alive_nodes() >= wait,
             timeout_s,
             daemonizes=True,
         )

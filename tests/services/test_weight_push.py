@@ -14,7 +14,7 @@ import torch
 
 from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.engines import weight_transfer as wt
-from rollpacker.services.api import WeightPeer, WeightPush
+from rollpacker.services.api import WeightPeer, WeightProbe, WeightPush
 from tests.services.test_scaledown_runtime import _group
 from tests.services.test_trainer_attempts import _service
 
@@ -48,6 +48,9 @@ class _Engine:
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         self.by_store.append(policy_version)
         return 0.0
+
+    def probe(self, prompts: int, max_tokens: int) -> WeightProbe:
+        return WeightProbe(0, (), (), ())  # no engine to sample: the weight-sync probe is skipped
 
 
 class _Peers:

@@ -116,6 +116,7 @@ class RolloutService(Service, RolloutAPI):
         self._pred: Any = None
         self._pred_uri = ""
         self._wt_joined: tuple[int, int] | None = None  # (engine, port) in a weight-transfer group
+        self._probes = 0  # weight-sync probes sampled (each request id is used once per engine)
 
     # -- weights --------------------------------------------------------------------------------
     def sync(self, state: ControllerState) -> EngineSync:
@@ -314,7 +315,11 @@ class RolloutService(Service, RolloutAPI):
                 seed=self.cfg.seed,
                 ignore_eos=True,
             )
-            reqs = sample_requests(chosen, 1, sp, f"probe/{self.arm}/v{self.policy_version}")
+            # an id of its own per probe: a re-run of the step probes the same version again, and
+            # vLLM refuses a request id it has seen
+            self._probes += 1
+            tag = f"probe/{self.arm}/v{self.policy_version}/{self._probes}"
+            reqs = sample_requests(chosen, 1, sp, tag)
             try:
                 comps = generate(self.engine, reqs)
             except BaseException:

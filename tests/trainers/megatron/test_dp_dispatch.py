@@ -35,6 +35,9 @@ class SleepingRank:
     def coords(self) -> tuple[int, int, int]:
         return 0, 0, self.rank  # TP=1, PP=1: rank i is replica i
 
+    def node(self) -> str:
+        return "127.0.0.1"
+
     def reset_accum(self) -> None:
         pass
 

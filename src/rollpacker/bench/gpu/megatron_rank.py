@@ -50,6 +50,7 @@ def check(job: RankJob) -> MegatronCheck:
     from rollpacker.bench.gpu.samples import LR, chunks, make_samples
     from rollpacker.core.config import MegatronConfig, TrainerConfig
     from rollpacker.core.stream_math import LossNorm, denominator
+    from rollpacker.trainers.megatron.source import StoreSource
     from rollpacker.trainers.megatron.worker import RankSpec, RankWorker
     from rollpacker.trainers.torch_trainer import TorchTrainer
 
@@ -67,7 +68,7 @@ def check(job: RankJob) -> MegatronCheck:
     g_ref = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()}
     w_ref = {n: p.detach() - LR * g_ref[n] for n, p in tr.model.named_parameters()}
     spec = RankSpec(
-        model_dir=model_dir,
+        model=StoreSource.local(model_dir),
         train=cfg,
         tp=1,
         pp=1,
