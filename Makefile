@@ -40,9 +40,10 @@ slow: setup
 
 # The gate (.ci/run): everything but the GPU tests, the slow ones included. The 30 slowest tests are
 # listed after every run, and a run over TEST_BUDGET_S fails naming them (tests/budget.py).
-# The target is 25 minutes; the suite now takes ~30 on a warm model cache here (docs/testing.md),
-# so the budget leaves a cold cache's warm-ups (~4 min) on top before it fails a run.
-TEST_BUDGET_S ?= 2100
+# The target is 25 minutes; the suite now takes ~34 on a warm model cache here with the two-node
+# and weight-push runs (docs/testing.md), so the budget leaves a cold cache's warm-ups (~4 min) on
+# top before it fails a run.
+TEST_BUDGET_S ?= 2400
 PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
