@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -189,27 +188,20 @@ class _WrongLayer(OffloadedCausalLM):
 
 
 class _NoWait(OffloadedCausalLM):
-    """Broken: computes a layer without waiting for its copy. Each copy is held here until its layer
-    has been computed (a copy slower than the compute for certain, not by a sleep that a loaded
-    machine may outlast), so a streamed layer computes with what its buffer held before: with 2
-    buffers for layers 1..3, layer 1 computes with layer 3's weights from the previous forward."""
-
-    def _begin(self) -> None:
-        for fut in getattr(self, "_late", []):  # the previous forward's copies have all landed
-            fut.result()
-        self._late: list[Future[float]] = []
-        self._computed_now = {j: threading.Event() for j in range(self.num_layers)}
-        super()._begin()
+    """Broken: computes a layer without waiting for its copy, which lands only after the compute.
+    Here that happens for certain (not by a sleep a loaded machine may outlast) and with no thread
+    racing the compute: each layer's copy is made when its compute is over, so a streamed layer
+    computes with what its buffer held before: with 2 buffers for layers 1..3, layer 1 computes with
+    layer 3's weights from the previous forward."""
 
     def _copy_layer(self, j: int, slot: int) -> float:
-        self._computed_now[j].wait(timeout=60)
-        return super()._copy_layer(j, slot)
+        return 0.0  # the scheduled copy: made at the end of the layer's compute instead (_exit)
 
     def _wait_copied(self, j: int) -> None:
-        self._late.append(self._copy_futs.pop(j))  # never waits: the bug
+        self._copy_futs.pop(j, None)  # never waits: the bug
 
     def _exit(self, j: int) -> None:
-        self._computed_now[j].set()
+        super()._copy_layer(j, self._slot_index(j))
         super()._exit(j)
 
 
