@@ -217,8 +217,11 @@ def test_an_engine_core_is_killed_when_it_next_works_not_while_it_idles(
 
 
 def test_a_core_that_never_works_is_not_killed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", f"import time; open({str(ready)!r}, 'w'); time.sleep(30)"])
     try:
+        while not ready.exists():  # the interpreter's own start-up works: not the idle part
+            time.sleep(0.01)
         monkeypatch.setattr(faults, "engine_core_pids", lambda: [proc.pid])
         faults._kill_busy_core(str(tmp_path), "rollout:EngineCore@2", wait_s=1.5)
         assert proc.poll() is None
