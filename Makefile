@@ -44,10 +44,14 @@ slow: setup
 # and weight-push runs (docs/testing.md), so the budget leaves a cold cache's warm-ups (~4 min) on
 # top before it fails a run.
 TEST_BUDGET_S ?= 2400
+# Two pytest-xdist workers: the slow tests one at a time on one of them (tests/conftest.py groups
+# them), the fast ones beside them on the other. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
-	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) $(VENV)/bin/pytest -q -m "not gpu" --durations=30 $(PYTEST_ARGS)
+	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) $(VENV)/bin/pytest -q -m "not gpu" --durations=30 \
+		-n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The main job: the embedded default experiment (configs/experiment.yaml: tiny model, mixed tasks,
 # sync and tail_batching arms), each RL step a kfp.local pipeline run, the engines in Ray, state in

@@ -91,6 +91,8 @@ _budget: Budget | None = None
 
 def pytest_configure(config: pytest.Config) -> None:
     global _budget
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller keeps the budget
+        return
     _budget = budget_from_env()
 
 

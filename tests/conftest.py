@@ -27,6 +27,35 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("gate")
 
 
+# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A module goes to
+# one worker whole (its module and session fixtures start once). The modules with a slow test (real
+# engines, Ray, servers, whole runs) are one group, "serial": they run one after another on one
+# worker, as they ran before, while the other modules run beside them on the other worker. Also
+# serial: the modules that start Ray or the local services from fast tests, and the sandbox's (its
+# leak check looks at every jailed process of the machine, so no other sandbox may run beside it).
+SERIAL_ALWAYS = (
+    "tests/rewards/",
+    "tests/services/test_placement.py",
+    "tests/experiment/test_experiment_preflight.py",
+)
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Each module's xdist group: "serial", or the module's own path (beside anything)."""
+    modules: dict[str, bool] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        slow = item.get_closest_marker("slow") is not None or path.startswith(SERIAL_ALWAYS)
+        modules[path] = modules.get(path, False) or slow
+    return {path: "serial" if slow else path for path, slow in modules.items()}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    groups = xdist_groups(items)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::", 1)[0]]))
+
+
 def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:
     recs = [
         TraceRecord(prompt_id=f"{prefix}{i:03d}", prompt_len=4 + i % 5, response_lens=tuple(ls))
