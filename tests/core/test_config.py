@@ -130,3 +130,21 @@ def test_checkpoint_cadence_every_nth_step_and_the_last() -> None:
     ):
         with pytest.raises(ConfigError, match=match):
             config_from_text(text)
+
+
+def test_constant_loss_norm_budget_defaults_to_max_tokens() -> None:
+    """Dr. GRPO's constant normaliser divides by ``L * N``; ``L`` is ``rollout.max_tokens`` unless set."""
+    from rollpacker.core.config import ExperimentConfig, TrainerConfig
+
+    cfg = from_mapping(ExperimentConfig, {"rollout": {"max_tokens": 300}, "train": {"loss_norm": "constant"}})
+    assert cfg.train.loss_budget_tokens == 0
+    assert cfg.for_arm("sync").train.loss_budget_tokens == 300
+    own = {"rollout": {"max_tokens": 300}, "train": {"loss_norm": "constant", "loss_budget_tokens": 512}}
+    assert from_mapping(ExperimentConfig, own).for_arm("sync").train.loss_budget_tokens == 512
+    short = {"rollout": {"max_tokens": 300}, "train": {"loss_budget_tokens": 200}}
+    with pytest.raises(ConfigError, match=r"train\.loss_budget_tokens = 200: .* rollout\.max_tokens = 300"):
+        from_mapping(ExperimentConfig, short)
+    with pytest.raises(ConfigError, match="token_mean, seq_mean, constant"):
+        TrainerConfig(loss_norm="sum")
+    with pytest.raises(ConfigError, match="loss_budget_tokens"):
+        TrainerConfig(loss_budget_tokens=-1)

@@ -77,9 +77,7 @@ class PartialConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_staleness", "in_flight"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"rollout.partial.{name} = {v!r}: must be an integer >= 0")
+            _non_negative_int(f"rollout.partial.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -212,6 +210,11 @@ def _positive_int(name: str, v: object) -> None:
         raise ConfigError(f"{name} = {v!r}: must be a positive integer")
 
 
+def _non_negative_int(name: str, v: object, meaning: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} = {v!r}: must be an integer >= 0{meaning}")
+
+
 T = TypeVar("T")
 
 
@@ -285,6 +288,7 @@ ATTENTION_KINDS = ("unfused", "sdpa")
 
 
 WEIGHT_SYNC_PATHS = ("object_store", "collective")  # train.weight_sync
+LOSS_NORMS = ("token_mean", "seq_mean", "constant")  # train.loss_norm (core/stream_math.py, LossNorm)
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,9 @@ class TrainerConfig:
     clip_eps_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0  # k3 KL to the reference (the model RL started from); 0 disables
-    loss_norm: str = "token_mean"  # token_mean | seq_mean
+    # token_mean | seq_mean | constant (Dr. GRPO's: budget x responses; core/stream_math.py)
+    loss_norm: str = "token_mean"
+    loss_budget_tokens: int = 0  # the constant normaliser's budget per response; 0 = rollout.max_tokens
     scale_advantages: bool = True  # GRPO's /std; false = Dr. GRPO
     mini_batches: int = 1  # optimizer steps per RL step (monolithic mode only)
     tokens_per_micro_batch: int = 8192  # padded tokens per forward/backward
@@ -451,8 +457,9 @@ class TrainerConfig:
         if self.clip_eps_low >= 1:
             raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
         self._check_algorithm()
-        if self.loss_norm not in ("token_mean", "seq_mean"):
-            raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
+        if self.loss_norm not in LOSS_NORMS:
+            raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
+        _non_negative_int("train.loss_budget_tokens", self.loss_budget_tokens, " (0: rollout.max_tokens)")
         _positive_int("train.mini_batches", self.mini_batches)
         _positive_int("train.tokens_per_micro_batch", self.tokens_per_micro_batch)
         if self.stream and self.mini_batches != 1:
@@ -939,10 +946,12 @@ class ExperimentConfig:
 
     def for_arm(self, name: str) -> ExperimentConfig:
         """This config as arm ``name`` runs it: its policy and variant applied to ``rollout``, and
-        ``train.objective: auto`` resolved."""
+        ``train.objective: auto`` and ``train.loss_budget_tokens: 0`` resolved."""
         arm = self.arm(name)
         rollout = arm.apply(self.rollout)
         train = self.train
+        if train.loss_budget_tokens == 0:  # the constant normaliser's budget: the generation budget
+            train = dataclasses.replace(train, loss_budget_tokens=rollout.max_tokens)
         if train.objective == "auto":  # stale tokens get decoupled PPO's behaviour weight
             decoupled = (
                 rollout.policy is PolicyName.PARTIAL
@@ -984,6 +993,12 @@ class ExperimentConfig:
                 f"train.overlong_buffer = {self.train.overlong_buffer}: must be smaller than "
                 f"rollout.max_tokens = {self.rollout.max_tokens} (the penalty ramps over the last "
                 "overlong_buffer tokens before the max length; DAPO: max 20480, buffer 4096)"
+            )
+        if 0 < self.train.loss_budget_tokens < self.rollout.max_tokens:
+            raise ConfigError(
+                f"train.loss_budget_tokens = {self.train.loss_budget_tokens}: must be 0 (rollout.max_tokens) "
+                f"or at least rollout.max_tokens = {self.rollout.max_tokens}, the longest response the "
+                "constant normaliser divides"
             )
         for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
             a.apply(self.rollout)
