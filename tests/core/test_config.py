@@ -132,6 +132,27 @@ def test_checkpoint_cadence_every_nth_step_and_the_last() -> None:
             config_from_text(text)
 
 
+def test_dynamic_sampling_without_arms_names_the_default_arm_list() -> None:
+    """The user set no policy: the error names the default arm list as the cause and what to set."""
+    from rollpacker.core.config import ExperimentConfig
+
+    with pytest.raises(ConfigError) as e:
+        from_mapping(ExperimentConfig, {"rollout": {"dynamic_sampling": {"enabled": True}}})
+    msg = str(e.value)
+    assert "the config names no arms, so the default arm list (sync, tail_batching) runs" in msg
+    assert "its arm 'sync' sets rollout.policy = 'sync'" in msg and "`arms: [tail_batching]`" in msg
+    with pytest.raises(ConfigError, match=r"arm 'partial' sets rollout\.policy = 'partial'") as named:
+        from_mapping(
+            ExperimentConfig,
+            {"rollout": {"dynamic_sampling": {"enabled": True}}, "arms": ["tail_batching", "partial"]},
+        )
+    assert "default arm list" not in str(named.value)
+    cfg = from_mapping(
+        ExperimentConfig, {"rollout": {"dynamic_sampling": {"enabled": True}}, "arms": ["tail_batching"]}
+    )
+    assert cfg.for_arm("tail_batching").rollout.dynamic_sampling.enabled
+
+
 def test_constant_loss_norm_budget_defaults_to_max_tokens() -> None:
     """Dr. GRPO's constant normaliser divides by ``L * N``; ``L`` is ``rollout.max_tokens`` unless set."""
     from rollpacker.core.config import ExperimentConfig, TrainerConfig

@@ -909,6 +909,10 @@ def _arms(*names: str) -> tuple[ArmConfig, ...]:
     return tuple(ArmConfig.from_name(n) for n in names)
 
 
+DEFAULT_ARM_NAMES = ("sync", "tail_batching")  # the arms of a config that names none
+DEFAULT_ARMS = _arms(*DEFAULT_ARM_NAMES)
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
@@ -929,7 +933,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
     # the state store and the services.
-    arms: tuple[ArmConfig, ...] = _arms("sync", "tail_batching")
+    arms: tuple[ArmConfig, ...] = DEFAULT_ARMS
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
@@ -960,6 +964,29 @@ class ExperimentConfig:
             )
             train = dataclasses.replace(train, objective="decoupled_ppo" if decoupled else "ppo")
         return dataclasses.replace(self, rollout=rollout, train=train)
+
+    def _check_arms_rollout(self) -> None:
+        """Each arm's rollout (its policy and variant applied) is valid; an error names the arm, and
+        the default arm list when the config names no arms (the user set no policy then)."""
+        for a in self.arms:
+            try:
+                a.apply(self.rollout)
+            except ConfigError as e:
+                default = self.arms == DEFAULT_ARMS
+                names = ", ".join(DEFAULT_ARM_NAMES)
+                where = (
+                    f"arms: the config names no arms, so the default arm list ({names}) runs, and its "
+                    f"arm {a.name!r} sets rollout.policy = {a.policy.value!r}"
+                    if default
+                    else f"arms: arm {a.name!r} sets rollout.policy = {a.policy.value!r}"
+                )
+                fix = (
+                    "name the arms to run (e.g. `arms: [tail_batching]`), each able to run this rollout "
+                    "section"
+                    if default
+                    else f"drop arm {a.name!r} or change the rollout section"
+                )
+                raise ConfigError(f"{where}; {e}. So {fix}") from None
 
     def shaping(self) -> RewardShaping:
         """How rewards become advantages in this config (the estimator, DAPO's overlong shaping)."""
@@ -1000,8 +1027,7 @@ class ExperimentConfig:
                 f"or at least rollout.max_tokens = {self.rollout.max_tokens}, the longest response the "
                 "constant normaliser divides"
             )
-        for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
-            a.apply(self.rollout)
+        self._check_arms_rollout()
         self._check_trainer_dtype()
         if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
             raise ConfigError(
