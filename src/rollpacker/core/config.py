@@ -55,7 +55,7 @@ class SortedMode(enum.Enum):
 
 @dataclass(frozen=True)
 class SortedConfig:
-    """SortedRL (paper 003): ``group_size`` (n) update batches of prompts are loaded into the buffer
+    """SortedRL (arXiv:2603.23414): ``group_size`` (n) update batches of prompts are loaded into the buffer
     at once and no new prompt is loaded until every one of them is trained."""
 
     mode: SortedMode = SortedMode.ON_POLICY
@@ -67,7 +67,8 @@ class SortedConfig:
 
 @dataclass(frozen=True)
 class PartialConfig:
-    """Async partial rollout (paper 004): supplementation, interruption, cached partial samples."""
+    """Async partial rollout (verl's "Async Partial Rollout Trainer" recipe): supplementation,
+    interruption, cached partial samples."""
 
     max_staleness: int = 2  # a cached sample older than this many policy versions is regenerated
     # requests supplementation keeps running; 0 = one update's worth (P0 x R0) within the engine's
