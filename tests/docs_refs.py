@@ -15,9 +15,9 @@ prose, and each kind of reference is read where it is written:
   command's options;
 - **make targets**: ``make TARGET`` (placed as a command is) in a code span or a shell block,
   against the Makefile's rules;
-- **config keys**: a code span ``section.key[.key...]`` (optionally ``=value`` or ``: value``)
-  whose first part is a section of the experiment config, walked through the config's frozen
-  dataclasses (``core/config.py``).
+- **config keys**: a code span ``section.key[.key...]`` (optionally ``=value`` or ``: value``),
+  or a ``--set section.key=value`` in a span or a shell block, whose first part is a section of the
+  experiment config, walked through the config's frozen dataclasses (``core/config.py``).
 
 Nothing here imports more than the CLI's command tree and the config schema.
 """
@@ -60,6 +60,7 @@ _WORD_PATH = re.compile(r"^[\w.-]+(?:/[\w.-]+)*/?$")
 _AT = r"(?:^\s*(?:\$\s+)?(?:[A-Z_][A-Z0-9_]*=\S*\s+)*|(?:&&|\|\||;|\||\$?\()\s*)(?:[\w./-]*/)?"
 _COMMAND = re.compile(_AT + r"rollpacker((?:\s+[^\s|;&)`]+)*)")
 _MAKE = re.compile(_AT + r"make\s+(.*)$")
+_SET = re.compile(r"--set[ =]['\"]?([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)=")
 _KEY = re.compile(r"^([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)+)\s*(?:=.*|:\s.*|:)?$")
 
 
@@ -152,6 +153,8 @@ def refs(path: Path, repo: Path = REPO) -> Iterator[Ref]:
             for m in _MAKE.finditer(c.text):
                 for word in _make_words(m.group(1)):
                     yield Ref(c.doc, c.line, "make", word)
+            for m in _SET.finditer(c.text):  # --set train.lr=1e-4
+                yield Ref(c.doc, c.line, "key", m.group(1))
         if c.kind == "span" and (k := _KEY.match(c.text)) is not None and _path_word(k.group(1)) is None:
             yield Ref(c.doc, c.line, "key", k.group(1))
 

@@ -94,6 +94,7 @@ See `src/rollpacker/core/gone.py`, `stages/vanished.py` and tests/core/test_gone
 
 ```bash
 make no-such-target RUN_ARGS="--runner inline"
+rollpacker train --config c.yaml --set train.lr_rate=1e-4
 .venv/bin/rollpacker model nope
 ```
 
@@ -119,6 +120,7 @@ def test_a_planted_stale_name_fails(tmp_path: Path) -> None:
         ("key", "train.loss_normal"),
         ("key", "rollout.sorted.nope"),
         ("make", "no-such-target"),
+        ("key", "train.lr_rate"),
     }, found
     assert "has no option --no-such-flag" in found[("command", "rollpacker train --no-such-flag")]
     assert "rollpacker bench has no command 'nosuch'" in found[("command", "rollpacker bench nosuch")]
