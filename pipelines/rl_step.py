@@ -1,4 +1,4 @@
-"""One RL step as a KFP pipeline (DESIGN.md "Stages and services")::
+"""One RL step as a KFP pipeline (docs/architecture.md, "The stages and services on a cluster")::
 
     controller-plan -> [profiling, if plan.need_profile] -> rollout -> sandbox-reward --+-> training
                                                                   \\-> judge ----------/      |

@@ -47,10 +47,30 @@ def test_train_samples_keep_tokens_logprobs_and_versions():
         train_samples(Group(p, comps), [1.0])
 
 
-@given(st.lists(st.integers(1, 500), min_size=1, max_size=64), st.sampled_from(list(LossNorm)))
+@given(
+    st.lists(st.integers(1, 500), min_size=1, max_size=64),
+    st.sampled_from([LossNorm.TOKEN_MEAN, LossNorm.SEQ_MEAN]),
+)
 def test_stream_weights_sum_to_one(lengths, norm):
     total = sum(token_weight(norm, n) * n for n in lengths)
     assert total / denominator(norm, lengths) == pytest.approx(1.0)
+
+
+@given(st.lists(st.integers(1, 500), min_size=1, max_size=64), st.integers(500, 4096))
+def test_constant_norm_divides_by_budget_times_responses(lengths, budget):
+    """Dr. GRPO's normaliser: ``D = L * N`` whatever the lengths; the weights sum to <= 1."""
+    assert denominator(LossNorm.CONSTANT, lengths, budget) == budget * len(lengths)
+    total = sum(token_weight(LossNorm.CONSTANT, n) * n for n in lengths)
+    assert total / denominator(LossNorm.CONSTANT, lengths, budget) <= 1.0
+    if all(n == budget for n in lengths):
+        assert total == budget * len(lengths)
+
+
+def test_constant_norm_refuses_a_missing_budget_or_a_longer_response():
+    with pytest.raises(ValueError, match="loss_budget_tokens"):
+        denominator(LossNorm.CONSTANT, [3, 4])
+    with pytest.raises(ValueError, match="longer than the constant normaliser's budget of 4 tokens"):
+        denominator(LossNorm.CONSTANT, [3, 5], budget_tokens=4)
 
 
 def test_advantage_estimators_by_name() -> None:

@@ -130,3 +130,42 @@ def test_checkpoint_cadence_every_nth_step_and_the_last() -> None:
     ):
         with pytest.raises(ConfigError, match=match):
             config_from_text(text)
+
+
+def test_dynamic_sampling_without_arms_names_the_default_arm_list() -> None:
+    """The user set no policy: the error names the default arm list as the cause and what to set."""
+    from rollpacker.core.config import ExperimentConfig
+
+    with pytest.raises(ConfigError) as e:
+        from_mapping(ExperimentConfig, {"rollout": {"dynamic_sampling": {"enabled": True}}})
+    msg = str(e.value)
+    assert "the config names no arms, so the default arm list (sync, tail_batching) runs" in msg
+    assert "its arm 'sync' sets rollout.policy = 'sync'" in msg and "`arms: [tail_batching]`" in msg
+    with pytest.raises(ConfigError, match=r"arm 'partial' sets rollout\.policy = 'partial'") as named:
+        from_mapping(
+            ExperimentConfig,
+            {"rollout": {"dynamic_sampling": {"enabled": True}}, "arms": ["tail_batching", "partial"]},
+        )
+    assert "default arm list" not in str(named.value)
+    cfg = from_mapping(
+        ExperimentConfig, {"rollout": {"dynamic_sampling": {"enabled": True}}, "arms": ["tail_batching"]}
+    )
+    assert cfg.for_arm("tail_batching").rollout.dynamic_sampling.enabled
+
+
+def test_constant_loss_norm_budget_defaults_to_max_tokens() -> None:
+    """Dr. GRPO's constant normaliser divides by ``L * N``; ``L`` is ``rollout.max_tokens`` unless set."""
+    from rollpacker.core.config import ExperimentConfig, TrainerConfig
+
+    cfg = from_mapping(ExperimentConfig, {"rollout": {"max_tokens": 300}, "train": {"loss_norm": "constant"}})
+    assert cfg.train.loss_budget_tokens == 0
+    assert cfg.for_arm("sync").train.loss_budget_tokens == 300
+    own = {"rollout": {"max_tokens": 300}, "train": {"loss_norm": "constant", "loss_budget_tokens": 512}}
+    assert from_mapping(ExperimentConfig, own).for_arm("sync").train.loss_budget_tokens == 512
+    short = {"rollout": {"max_tokens": 300}, "train": {"loss_budget_tokens": 200}}
+    with pytest.raises(ConfigError, match=r"train\.loss_budget_tokens = 200: .* rollout\.max_tokens = 300"):
+        from_mapping(ExperimentConfig, short)
+    with pytest.raises(ConfigError, match="token_mean, seq_mean, constant"):
+        TrainerConfig(loss_norm="sum")
+    with pytest.raises(ConfigError, match="loss_budget_tokens"):
+        TrainerConfig(loss_budget_tokens=-1)

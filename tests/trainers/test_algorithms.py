@@ -27,6 +27,7 @@ from .conftest import make_batch, random_chunks
 
 TEMP = 0.8
 EPS_LOW, EPS_HIGH = 0.2, 0.28
+BUDGET = 40  # the constant normaliser's L (test responses have <= 30 tokens)
 
 
 def _trainer(model_dir, **kw) -> TorchTrainer:
@@ -109,9 +110,13 @@ def _reference(model, samples, name: str, norm: str, token_adv=None, kl_coef=0.0
             with torch.no_grad():
                 q = _token_logprobs(ref_model, s)
             loss = loss + kl_coef * (torch.exp(q - p) - (q - p) - 1)
-        w = 1.0 if norm == "token_mean" else 1.0 / s.num_tokens
+        w = 1.0 / s.num_tokens if norm == "seq_mean" else 1.0
         total = total + w * loss.sum()
-    d = sum(s.num_tokens for s in samples) if norm == "token_mean" else len(samples)
+    d = {  # token_mean: the batch's tokens; seq_mean: its responses; constant (Dr. GRPO): L x responses
+        "token_mean": sum(s.num_tokens for s in samples),
+        "seq_mean": len(samples),
+        "constant": BUDGET * len(samples),
+    }[norm]
     (total / d).backward()
     return float((total / d).detach()), _grads(model)
 
@@ -137,13 +142,13 @@ def _trainer_loss_and_grad(tr: TorchTrainer, samples) -> tuple[float, torch.Tens
 
 # -- objectives ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("old", ["same_forward", "given"])
-@pytest.mark.parametrize("norm", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("norm", ["token_mean", "seq_mean", "constant"])
 @pytest.mark.parametrize("name", ["ppo", "decoupled_ppo", "gspo"])
 def test_objective_loss_and_gradient_equal_the_formula(small_model_dir, name, norm, old):
     samples = [s for g in make_batch(num_groups=5, group_size=3, seed=11) for s in g]
     if old == "given":
         samples = _with_old(samples)
-    tr = _trainer(small_model_dir, objective=name, loss_norm=norm)
+    tr = _trainer(small_model_dir, objective=name, loss_norm=norm, loss_budget_tokens=BUDGET)
     loss, grad = _trainer_loss_and_grad(tr, samples)
     ref_loss, ref_grad = _reference(_trainer(small_model_dir).model, samples, name, norm)
     assert float(ref_grad.norm()) > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rollpacker.core.config import TrainerConfig
+from rollpacker.core.errors import TrainerError
 from rollpacker.trainers.torch_trainer import TorchTrainer
 
 from .conftest import make_batch, random_chunks
@@ -15,8 +16,17 @@ def _grads(trainer: TorchTrainer) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in trainer.model.parameters() if p.grad is not None])
 
 
+LOSS_BUDGET = 48  # the constant normaliser's generation budget (test responses have <= 30 tokens)
+
+
 def _trainer(model_dir, dtype, norm, kl=0.0, budget=64) -> TorchTrainer:
-    cfg = TrainerConfig(loss_norm=norm, kl_coef=kl, grad_clip=0.0, tokens_per_micro_batch=budget)
+    cfg = TrainerConfig(
+        loss_norm=norm,
+        kl_coef=kl,
+        grad_clip=0.0,
+        tokens_per_micro_batch=budget,
+        loss_budget_tokens=LOSS_BUDGET,
+    )
     return TorchTrainer(model_dir, cfg, temperature=0.8, dtype=dtype)
 
 
@@ -39,7 +49,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("norm", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("norm", ["token_mean", "seq_mean", "constant"])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-6), (torch.float32, 1e-5)])
 def test_streamed_gradient_equals_monolithic(small_model_dir, norm, dtype, tol):
     batch = make_batch(num_groups=8, group_size=4, seed=1)
@@ -57,7 +67,25 @@ def test_streamed_gradient_with_kl_term_equals_monolithic(small_model_dir):
     assert _rel(got, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("norm", ["token_mean", "seq_mean"])
+def test_constant_norm_is_token_sum_over_budget_times_responses(small_model_dir):
+    """Dr. GRPO's normaliser scales the token-mean gradient by ``tokens / (L * N)``: the same
+    direction, a scale fixed by the batch's shape, not by its response lengths."""
+    batch = make_batch(num_groups=6, group_size=4, seed=4)
+    samples = [s for g in batch for s in g]
+    tokens = sum(s.num_tokens for s in samples)
+    assert max(s.num_tokens for s in samples) <= LOSS_BUDGET
+    assert tokens / (LOSS_BUDGET * len(samples)) < 0.9  # a scale the check can tell from 1
+    tok = _monolithic(small_model_dir, torch.float64, "token_mean", batch)
+    const = _monolithic(small_model_dir, torch.float64, "constant", batch)
+    assert _rel(const, tok * (tokens / (LOSS_BUDGET * len(samples)))) <= 1e-9
+
+
+def test_constant_norm_without_a_budget_is_refused(small_model_dir):
+    with pytest.raises(TrainerError, match="loss_budget_tokens"):
+        TorchTrainer(small_model_dir, TrainerConfig(loss_norm="constant"), temperature=0.8)
+
+
+@pytest.mark.parametrize("norm", ["token_mean", "seq_mean", "constant"])
 def test_naive_per_chunk_mean_does_not_match(small_model_dir, norm):
     """Averaging per-chunk normalized gradients (what plain all-reduce averaging does) is biased."""
     batch = make_batch(num_groups=8, group_size=4, seed=1)

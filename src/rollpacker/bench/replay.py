@@ -60,7 +60,7 @@ migrated, the replica-seconds the freed replicas would have sat through for the 
 and the attempts refused by the KV-fit criterion (``scaledown`` in each policy's summary).
 
 The SortedRL paper's bubble-ratio reduction (74 % baseline -> 5.81 % on-policy, 3.37 % partial,
-paper 003 section 4.4.1) is reported beside the measured sync -> sorted figures
+arXiv:2603.23414, section 4.4.1) is reported beside the measured sync -> sorted figures
 (``sortedrl_reference``).
 """
 
@@ -118,7 +118,7 @@ SCALING_BATCHES = (1, 8, 32, 128)
 ALL_POLICIES = ("sync", "tail_batching", "sorted", "sorted_partial", "partial")
 BASELINE_POLICIES = ("sync", "tail_batching")
 
-# SortedRL (paper 003), section 4.4.1: bubble ratio (eq. 4) of the synchronous baseline and of the
+# SortedRL (arXiv:2603.23414), section 4.4.1: bubble ratio (eq. 4) of the synchronous baseline and of the
 # two SortedRL modes, 512 samples in 4 batches, max generation length 8k, lengths replayed.
 SORTEDRL_PAPER_BUBBLE = {"baseline": 0.74, "sorted": 0.0581, "sorted_partial": 0.0337}
 
@@ -1007,7 +1007,7 @@ def sortedrl_reference(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
     measured = {"baseline": summaries["sync"]["bubble_ratio"]}
     measured.update({k: summaries[k]["bubble_ratio"] for k in ("sorted", "sorted_partial") if k in summaries})
     return {
-        "source": "SortedRL (paper 003) section 4.4.1: 512 samples in 4 batches, max length 8k, "
+        "source": "SortedRL (arXiv:2603.23414) section 4.4.1: 512 samples in 4 batches, max length 8k, "
         "lengths replayed; bubble ratio eq. 4",
         "paper": {
             "bubble_ratio": paper,

@@ -2,7 +2,7 @@
 both throughputs side by side, named so that neither is read as the other (``core.metrics.Throughput``).
 
 - **out tok/s (all)**: every token the engine generated per rollout second, terminated, scavenged
-  and cached ones included: SortedRL's "output tokens per second" (paper 003 section 4.4.1);
+  and cached ones included: SortedRL's "output tokens per second" (arXiv:2603.23414, section 4.4.1);
 - **trained tok/s**: the tokens of the trained responses per rollout second, and **s/trained step**:
   what rollpacker's speedups compare;
 - **bubble (Q)**: SortedRL's eq. 4 with Q = the engine's running capacity (``max_num_seqs`` per replica);
@@ -19,7 +19,7 @@ THROUGHPUT_LEGEND = (
     (
         "out tok/s (all)",
         "output tokens per rollout second counting every generated token, terminated and cached ones "
-        "included (SortedRL's 'output tokens per second', paper 003 sec. 4.4.1)",
+        "included (SortedRL's 'output tokens per second', arXiv:2603.23414 sec. 4.4.1)",
     ),
     ("out x", "this arm's out tok/s (all) over the baseline's (the first row)"),
     ("trained tok/s", "tokens of the trained responses per rollout second (what an update gets)"),

@@ -55,7 +55,7 @@ class SortedMode(enum.Enum):
 
 @dataclass(frozen=True)
 class SortedConfig:
-    """SortedRL (paper 003): ``group_size`` (n) update batches of prompts are loaded into the buffer
+    """SortedRL (arXiv:2603.23414): ``group_size`` (n) update batches of prompts are loaded into the buffer
     at once and no new prompt is loaded until every one of them is trained."""
 
     mode: SortedMode = SortedMode.ON_POLICY
@@ -67,7 +67,8 @@ class SortedConfig:
 
 @dataclass(frozen=True)
 class PartialConfig:
-    """Async partial rollout (paper 004): supplementation, interruption, cached partial samples."""
+    """Async partial rollout (verl's "Async Partial Rollout Trainer" recipe): supplementation,
+    interruption, cached partial samples."""
 
     max_staleness: int = 2  # a cached sample older than this many policy versions is regenerated
     # requests supplementation keeps running; 0 = one update's worth (P0 x R0) within the engine's
@@ -77,9 +78,7 @@ class PartialConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_staleness", "in_flight"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"rollout.partial.{name} = {v!r}: must be an integer >= 0")
+            _non_negative_int(f"rollout.partial.{name}", getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -212,6 +211,11 @@ def _positive_int(name: str, v: object) -> None:
         raise ConfigError(f"{name} = {v!r}: must be a positive integer")
 
 
+def _non_negative_int(name: str, v: object, meaning: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} = {v!r}: must be an integer >= 0{meaning}")
+
+
 T = TypeVar("T")
 
 
@@ -285,6 +289,7 @@ ATTENTION_KINDS = ("unfused", "sdpa")
 
 
 WEIGHT_SYNC_PATHS = ("object_store", "collective")  # train.weight_sync
+LOSS_NORMS = ("token_mean", "seq_mean", "constant")  # train.loss_norm (core/stream_math.py, LossNorm)
 
 
 @dataclass(frozen=True)
@@ -383,7 +388,9 @@ class TrainerConfig:
     clip_eps_low: float = 0.2  # ratio clipped to [1 - low, 1 + high]
     clip_eps_high: float = 0.28
     kl_coef: float = 0.0  # k3 KL to the reference (the model RL started from); 0 disables
-    loss_norm: str = "token_mean"  # token_mean | seq_mean
+    # token_mean | seq_mean | constant (Dr. GRPO's: budget x responses; core/stream_math.py)
+    loss_norm: str = "token_mean"
+    loss_budget_tokens: int = 0  # the constant normaliser's budget per response; 0 = rollout.max_tokens
     scale_advantages: bool = True  # GRPO's /std; false = Dr. GRPO
     mini_batches: int = 1  # optimizer steps per RL step (monolithic mode only)
     tokens_per_micro_batch: int = 8192  # padded tokens per forward/backward
@@ -451,8 +458,9 @@ class TrainerConfig:
         if self.clip_eps_low >= 1:
             raise ConfigError(f"train.clip_eps_low = {self.clip_eps_low!r}: must be < 1")
         self._check_algorithm()
-        if self.loss_norm not in ("token_mean", "seq_mean"):
-            raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use 'token_mean' or 'seq_mean'")
+        if self.loss_norm not in LOSS_NORMS:
+            raise ConfigError(f"train.loss_norm = {self.loss_norm!r}: use one of {', '.join(LOSS_NORMS)}")
+        _non_negative_int("train.loss_budget_tokens", self.loss_budget_tokens, " (0: rollout.max_tokens)")
         _positive_int("train.mini_batches", self.mini_batches)
         _positive_int("train.tokens_per_micro_batch", self.tokens_per_micro_batch)
         if self.stream and self.mini_batches != 1:
@@ -902,6 +910,10 @@ def _arms(*names: str) -> tuple[ArmConfig, ...]:
     return tuple(ArmConfig.from_name(n) for n in names)
 
 
+DEFAULT_ARM_NAMES = ("sync", "tail_batching")  # the arms of a config that names none
+DEFAULT_ARMS = _arms(*DEFAULT_ARM_NAMES)
+
+
 @dataclass(frozen=True)
 class ExperimentConfig:
     """``rollpacker train --config FILE``: one YAML document with these sections."""
@@ -922,7 +934,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     # The pipeline (``rollpacker run``): the arms compared in one MLflow experiment, one run each,
     # the state store and the services.
-    arms: tuple[ArmConfig, ...] = _arms("sync", "tail_batching")
+    arms: tuple[ArmConfig, ...] = DEFAULT_ARMS
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
     services: ServicesConfig = dataclasses.field(default_factory=ServicesConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
@@ -939,10 +951,12 @@ class ExperimentConfig:
 
     def for_arm(self, name: str) -> ExperimentConfig:
         """This config as arm ``name`` runs it: its policy and variant applied to ``rollout``, and
-        ``train.objective: auto`` resolved."""
+        ``train.objective: auto`` and ``train.loss_budget_tokens: 0`` resolved."""
         arm = self.arm(name)
         rollout = arm.apply(self.rollout)
         train = self.train
+        if train.loss_budget_tokens == 0:  # the constant normaliser's budget: the generation budget
+            train = dataclasses.replace(train, loss_budget_tokens=rollout.max_tokens)
         if train.objective == "auto":  # stale tokens get decoupled PPO's behaviour weight
             decoupled = (
                 rollout.policy is PolicyName.PARTIAL
@@ -951,6 +965,29 @@ class ExperimentConfig:
             )
             train = dataclasses.replace(train, objective="decoupled_ppo" if decoupled else "ppo")
         return dataclasses.replace(self, rollout=rollout, train=train)
+
+    def _check_arms_rollout(self) -> None:
+        """Each arm's rollout (its policy and variant applied) is valid; an error names the arm, and
+        the default arm list when the config names no arms (the user set no policy then)."""
+        for a in self.arms:
+            try:
+                a.apply(self.rollout)
+            except ConfigError as e:
+                default = self.arms == DEFAULT_ARMS
+                names = ", ".join(DEFAULT_ARM_NAMES)
+                where = (
+                    f"arms: the config names no arms, so the default arm list ({names}) runs, and its "
+                    f"arm {a.name!r} sets rollout.policy = {a.policy.value!r}"
+                    if default
+                    else f"arms: arm {a.name!r} sets rollout.policy = {a.policy.value!r}"
+                )
+                fix = (
+                    "name the arms to run (e.g. `arms: [tail_batching]`), each able to run this rollout "
+                    "section"
+                    if default
+                    else f"drop arm {a.name!r} or change the rollout section"
+                )
+                raise ConfigError(f"{where}; {e}. So {fix}") from None
 
     def shaping(self) -> RewardShaping:
         """How rewards become advantages in this config (the estimator, DAPO's overlong shaping)."""
@@ -985,8 +1022,13 @@ class ExperimentConfig:
                 f"rollout.max_tokens = {self.rollout.max_tokens} (the penalty ramps over the last "
                 "overlong_buffer tokens before the max length; DAPO: max 20480, buffer 4096)"
             )
-        for a in self.arms:  # each arm's rollout (policy and variant applied) is valid
-            a.apply(self.rollout)
+        if 0 < self.train.loss_budget_tokens < self.rollout.max_tokens:
+            raise ConfigError(
+                f"train.loss_budget_tokens = {self.train.loss_budget_tokens}: must be 0 (rollout.max_tokens) "
+                f"or at least rollout.max_tokens = {self.rollout.max_tokens}, the longest response the "
+                "constant normaliser divides"
+            )
+        self._check_arms_rollout()
         self._check_trainer_dtype()
         if self.rollout.scale_down.enabled and (self.planner.devices < 2 or not self.train.stream):
             raise ConfigError(

@@ -4,20 +4,31 @@ The stages and the services reach a service only through these Protocols, implem
 proxies (``services.registry``) over a Ray actor or an object in this process. Every payload is a
 frozen dataclass (``core.serde.Message``), so what crosses a process edge is checked field by field.
 
-When each method is called, per step (one *attempt* = one try of a step; a re-run is a new one):
+When each method is called, per step (one *attempt* = one try of a step; a re-run is a new one).
+Two calls are *begun* by one stage and *awaited* by a later one, so that the next KFP task's
+process start-up overlaps the work (docs/pipeline.md, "Overhead"): the round (``run_round``) and
+the update (``finish``). Which stage begins and which awaits:
 
     plan stage      rollout.sync(state)             serve the committed weights
                     rollout.plan(state, step)       the round the policy would run
-    rollout stage   trainer.begin / reward.begin    forget older attempts, restore committed state
-                    rollout.run_round(...)          rolls out; during it the rollout service casts
-                        reward.score / reward.group, and the reward service casts trainer.submit;
-                        with rollout.dynamic_sampling it calls reward.group_rewards for each
-                        complete group first (the round keeps or drops it on its rewards);
-                        with rollout.scale_down the rollout service calls trainer.repurpose once
-                        when it frees engine replicas (the trainer gives them back in finish)
+                    trainer.begin / reward.begin    forget older attempts, restore committed state
+                    begin rollout.run_round(...)    the round starts in the rollout service (when a
+                                                    profile is due, the rollout stage begins it)
+    rollout stage   await the round                 its RoundReport; during the round the rollout
+                        service casts reward.score / reward.group, and the reward service casts
+                        trainer.submit; with rollout.dynamic_sampling it calls
+                        reward.group_rewards for each complete group first (the round keeps or
+                        drops it on its rewards); with rollout.scale_down the rollout service
+                        calls trainer.repurpose once when it frees engine replicas (the trainer
+                        gives them back in finish)
+                    begin trainer.finish(...)       the one update; it waits for the step's last
+                                                    rewarded groups itself
     drain stages    reward.drain(...)               wait for the step's rewards, report them
-    train stage     trainer.finish(...)             the one update, checkpoint, weight push
+    train stage     await the update                its TrainReport: update, checkpoint, weight push
                     rollout.validate(...)           when validation is due
+
+tests/test_docs.py checks that every ``role.method`` named here and in docs/architecture.md is a
+method of that role's Protocol.
 """
 
 from __future__ import annotations

@@ -112,6 +112,11 @@ class TorchTrainer:
         self.cfg = cfg
         self.temperature = float(temperature)
         self.norm = LossNorm(cfg.loss_norm)
+        if self.norm is LossNorm.CONSTANT and cfg.loss_budget_tokens < 1:
+            raise TrainerError(
+                "train.loss_norm: constant needs train.loss_budget_tokens >= 1 (the generation budget; "
+                "an experiment config sets it from rollout.max_tokens)"
+            )
         self.device = torch.device(device)
         self.dtype = dtype
         self.model_dir = Path(model_dir)
@@ -201,7 +206,7 @@ class TorchTrainer:
         """Scale the accumulated gradient by ``1 / D(batch)`` and clip; return (D, grad norm)."""
         if not self._acc_lengths:
             raise TrainerError("finish_step with no accumulated samples: accumulate a batch first")
-        d = denominator(self.norm, self._acc_lengths)
+        d = denominator(self.norm, self._acc_lengths, self.cfg.loss_budget_tokens)
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:
             p.grad.div_(d)

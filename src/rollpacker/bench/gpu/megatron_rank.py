@@ -82,7 +82,8 @@ def check(job: RankJob) -> MegatronCheck:
     )
     t0 = time.perf_counter()
     w = RankWorker(spec, 0)
-    d = float(denominator(LossNorm(cfg.loss_norm), [len(s.response_ids) for s in samples]))
+    lens = [len(s.response_ids) for s in samples]
+    d = float(denominator(LossNorm(cfg.loss_norm), lens, cfg.loss_budget_tokens))
     for chunk in chunks(batch, seed=3, n=4):
         w.accumulate(chunk)
     grads = w.grads_hf(d) or {}

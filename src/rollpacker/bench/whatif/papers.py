@@ -1,6 +1,8 @@
 """``rollpacker bench whatif-papers``: the simulator on paper-like workloads, beside the papers' tables.
 
-RollPacker (paper 000, section 6, table 2 and section 6.3): Qwen2.5-7B/8k, 14B/16k and 32B/32k on
+RollPacker ("RollPacker: Mitigating Long-Tail Rollouts for Fast, Synchronous RL Post-Training",
+arXiv:2509.21009; at NSDI'26 "RollPacker: Taming Long-Tail Rollouts for RL Post-Training with Tail
+Batching"), section 6, table 2 and section 6.3: Qwen2.5-7B/8k, 14B/16k and 32B/32k on
 H800s, GRPO with P0 = 128 prompts x R0 = 8 responses, eta_p = eta_r = 1.25. It reports tail
 batching alone at 1.30x / 1.48x / 2.21x *end to end* over veRL (table 2), rollout up to 3.9x on
 average (section 6.3) and up to 7.8x in short rounds (figure 11b). The simulator gives rollout
@@ -8,7 +10,8 @@ seconds; an end-to-end figure needs the rest of the step: with rollout a share `
 synchronous step (table 1: 66-72 % for the 14B/16k model), ``e2e = 1 / ((1 - rho) + rho / s)``
 for a rollout speedup ``s``, the other stages unchanged (tail batching alone does not overlap them).
 
-SortedRL (paper 003, section 4.4.1): its configuration, checks and sensitivity runs are in
+SortedRL ("SortedRL: Accelerating RL Training for LLMs through Online Length-Aware Scheduling",
+arXiv:2603.23414), section 4.4.1: its configuration, checks and sensitivity runs are in
 ``bench.whatif.sortedrl``.
 """
 

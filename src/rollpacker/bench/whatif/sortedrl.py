@@ -1,4 +1,4 @@
-"""SortedRL's throughput experiment (paper 003 section 4.4.1) on the what-if simulator.
+"""SortedRL's throughput experiment (arXiv:2603.23414, section 4.4.1) on the what-if simulator.
 
 The paper's configuration: Qwen2.5-32B, PPO on DAPO-Math-17k, rollout batch 128 prompts x 1
 response, group 512 (``rollout.sorted.group_size`` 4), update batch 128, max length 8k, lengths

@@ -1,7 +1,7 @@
 """Where a what-if trace comes from: a JSON Lines file, a preset, or an MLflow run's recorded lengths.
 
 Besides the replay presets (``core.trace.PRESETS``) the what-if ships paper-like presets shaped
-after RollPacker's workload characterisation (paper 000 section 2.2, figure 2a: P75 of 755 to 1.1k
+after RollPacker's workload characterisation (arXiv:2509.21009, section 2.2, figure 2a: P75 of 755 to 1.1k
 tokens, the longest response 25-32x the median, up to the max length; hard prompts give long
 responses, so the tail is per prompt): ``paper-8k``, ``paper-16k``, ``paper-32k``, sized for
 ``P0 = 128``, ``R0 = 8`` and speculation up to 1.5 (12 lengths a prompt); ``paper-32k-heavy`` has
@@ -51,7 +51,7 @@ PAPER_PRESETS: dict[str, TracePreset] = {f"paper-{k}k": _paper(k * 1024) for k i
 # the same median and P75 (~1.1k), a heavier per-prompt tail: about one response a step of
 # 128 x 8 reaches 32k, as in RollPacker's 32B/32k runs (fig. 11a), where paper-32k's rarely does
 PAPER_PRESETS["paper-32k-heavy"] = _paper(32 * 1024, sigma_prompt=1.3)
-# SortedRL's workload (paper 003): one response a prompt (PPO on DAPO-Math-17k), max 8k (section
+# SortedRL's workload (arXiv:2603.23414): one response a prompt (PPO on DAPO-Math-17k), max 8k (section
 # 4.4.1). Its length statistics (section 2.3, fig. 1c): "80 % of samples are generated within 3K
 # tokens, the remaining 5 % can extend up to the token limit". A log-normal through P80 = 3k and
 # P95 = 8k has median 1,046 and sigma 1.25 (sqrt(1.15^2 + 0.5^2)); seed 0 draws P80 3.2k, 6 % at 8k.
@@ -60,7 +60,7 @@ PAPER_PRESETS["sortedrl-8k"] = dataclasses.replace(
     num_prompts=1024,
     responses_per_prompt=1,
     median_len=1046,
-    description="SortedRL-like (paper 003 sec. 2.3): one response a prompt, P80 ~3k, ~5 % reach 8k",
+    description="SortedRL-like (arXiv:2603.23414 sec. 2.3): one response a prompt, P80 ~3k, ~5 % reach 8k",
 )
 PRESETS: dict[str, TracePreset] = {**REPLAY_PRESETS, **PAPER_PRESETS}
 

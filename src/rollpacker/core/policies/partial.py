@@ -1,4 +1,5 @@
-"""Async partial rollout (paper 004): supplementation, interruption and a prompt manager.
+"""Async partial rollout (verl's recipe "Async Partial Rollout Trainer", Tencent; no arXiv paper):
+supplementation, interruption and a prompt manager.
 
 Each step resumes every cached prompt (in the prompt manager's priority order, below) and adds new
 prompts while fewer than ``in_flight`` requests run (sample supplementation: the engine stays full

@@ -1,4 +1,5 @@
-"""SortedRL (paper 003): oversubscribed, length-sorted rollout over a cache-aware buffer.
+"""SortedRL ("SortedRL: Accelerating RL Training for LLMs through Online Length-Aware Scheduling",
+arXiv:2603.23414): oversubscribed, length-sorted rollout over a cache-aware buffer.
 
 The controller loads ``n * P0`` prompts (``rollout.sorted.group_size`` = n update batches) into the
 rollout buffer at once and loads no new prompt until every buffered prompt is trained (the

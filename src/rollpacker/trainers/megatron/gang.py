@@ -115,6 +115,11 @@ class MegatronTrainer:
                 "backend does not compute yet: use train.backend: torch"
             )
         self.norm = LossNorm(cfg.loss_norm)
+        if self.norm is LossNorm.CONSTANT and cfg.loss_budget_tokens < 1:
+            raise TrainerError(
+                "train.loss_norm: constant needs train.loss_budget_tokens >= 1 (the generation budget; "
+                "an experiment config sets it from rollout.max_tokens)"
+            )
         self.temperature = float(temperature)
         # this (driver) process's generators, seeded and checkpointed as the torch backend does: an
         # in-process rollout engine samples from them, so a resumed run samples what an
@@ -317,7 +322,7 @@ class MegatronTrainer:
             self.policy_version += 1
             self._reset_accum()
             return zero_update(self.policy_version, time.perf_counter() - t0)
-        d = denominator(self.norm, self._lengths)
+        d = denominator(self.norm, self._lengths, self.cfg.loss_budget_tokens)
         out = self._all("finish_step", float(d))[0]
         self.optimizer_steps += 1
         self.policy_version += 1
@@ -387,7 +392,7 @@ class MegatronTrainer:
     def grads_hf(self) -> dict[str, Any]:
         """The reduced, ``1 / D``-scaled gradient in HF names, without a step (exactness checks).
         Drops the accumulated gradients."""
-        d = denominator(self.norm, self._lengths)
+        d = denominator(self.norm, self._lengths, self.cfg.loss_budget_tokens)
         got = self._all("grads_hf", float(d))
         out: dict[str, Any] = {}
         for p in range(self.pp):
