@@ -5,7 +5,8 @@ Defaults are ``ghcr.io/rollpacker/<image>:0.1.0`` (built from ``images/<image>/`
 one at compile time. The value is read when a component module is imported, so
 ``rollpacker.pipeline_compile.compile_pipelines`` re-imports the component modules on every call.
 
-Profiling benchmarks the rollout engine, so it runs in the rollout image.
+Profiling benchmarks the rollout engine, so it runs in the rollout image; the model preparation
+(a warm-up: torch) runs in the training image.
 """
 
 import os
@@ -23,6 +24,7 @@ COMPONENT_IMAGES: dict[str, str] = {
     "sandbox_reward": "sandbox",
     "judge": "judge",
     "training": "training",
+    "prepare_model": "training",  # a warm-up needs torch, which the controller image lacks
 }
 
 

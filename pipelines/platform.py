@@ -4,10 +4,11 @@ Each task gets: CPU/memory requests (the stages drive Ray services; the heavy wo
 RayCluster, not in the task's pod), the node pool ``rollpacker.io/pool=<pool>`` and a toleration for
 a pool tainted ``rollpacker.io/dedicated``, the S3 keys and the Ray token from the Secrets that
 ``make secrets`` generates (``manifests/secrets``), the Ray address / auth mode from the ConfigMap
-``rollpacker-endpoints``, and a non-root security context. The controller tasks also mount the
-models volume at ``/models`` (``model.model_dir`` in the cluster config; the plan stage uploads the
-start checkpoint from it). The names here are the manifests' (``manifests/base``); tests/deploy
-checks that the rendered overlays define every one of them.
+``rollpacker-endpoints``, and a non-root security context. The controller and prepare-model tasks
+also mount the models volume at ``/models`` (``model.model_dir`` in the cluster config; the
+prepare-model task uploads the start checkpoint from it, the plan stage keys it by its files). The
+names here are the manifests' (``manifests/base``); tests/deploy checks that the rendered overlays
+define every one of them.
 
 ``ROLLPACKER_NODE_POOL`` (read at compile time like the images) picks the pool; empty: no selector.
 ``ROLLPACKER_IMAGE_PULL_POLICY`` (default ``IfNotPresent``) is every task's image pull policy: a
@@ -37,15 +38,19 @@ CONFIG_MAP = "rollpacker-endpoints"
 CONFIG_MAP_ENV = {"RAY_ADDRESS": "RAY_ADDRESS", "RAY_AUTH_MODE": "RAY_AUTH_MODE"}
 MODELS_PVC = "rollpacker-models"
 MODELS_PATH = "/models"
+# the tasks that read ``model.model_dir`` there (core/pod_paths.py): the model preparation uploads it
+# to the store, the plan stage hashes it into the start model's key
+MODELS_MOUNTED = ("controller", "prepare_model")
 
 # component folder -> (cpu request, memory request, memory limit)
 RESOURCES: dict[str, tuple[str, str, str]] = {
-    "controller": ("1", "2Gi", "8Gi"),  # plan uploads the start checkpoint, commit logs plots
+    "controller": ("1", "2Gi", "8Gi"),  # plan publishes the dataset, commit logs plots
     "profiling": ("500m", "1Gi", "2Gi"),
     "rollout": ("500m", "1Gi", "2Gi"),
     "sandbox_reward": ("500m", "1Gi", "2Gi"),
     "judge": ("500m", "1Gi", "2Gi"),
     "training": ("500m", "1Gi", "2Gi"),
+    "prepare_model": ("1", "2Gi", "8Gi"),  # a warm-up trains in the pod; model.model_dir is uploaded
 }
 
 
@@ -82,6 +87,6 @@ def on_cluster(task, component: str):  # type: ignore[no-untyped-def]
     kubernetes.set_security_context(
         task, run_as_user=RUN_AS_USER, run_as_group=RUN_AS_USER, run_as_non_root=True
     )
-    if component == "controller":
+    if component in MODELS_MOUNTED:
         kubernetes.mount_pvc(task, pvc_name=MODELS_PVC, mount_path=MODELS_PATH)
     return task

@@ -1,12 +1,15 @@
-"""N RL steps of one arm chained: ``rl-step`` sub-pipelines, each after the previous one.
+"""N RL steps of one arm chained: the ``prepare-model`` task (the arm's start model in the store),
+then ``rl-step`` sub-pipelines, each after the previous one.
 
 N is fixed at compile time (``rollpacker compile --steps N``); the controller keeps the state between
 steps, so each sub-pipeline runs the arm's next step, and steps past ``config.steps`` are skipped
 by the stages.
 """
 
+from components.prepare_model.component import prepare_model
 from kfp import dsl
 
+from pipelines.platform import on_cluster
 from pipelines.rl_step import rl_step
 from rollpacker.core.errors import ConfigError
 
@@ -18,12 +21,14 @@ def build_rl_experiment(num_steps: int):  # type: ignore[no-untyped-def]
 
     @dsl.pipeline(name="rl-experiment", description=f"{num_steps} RL steps of one arm, one after another.")
     def rl_experiment(config: str, arm: str):
-        previous = None
+        # the start model in the store before the first step: the plan stage trains nothing
+        previous = on_cluster(
+            prepare_model(config=config, arm=arm).set_caching_options(False), "prepare_model"
+        )
         for i in range(num_steps):
             step = rl_step(config=config, arm=arm).set_caching_options(False)
             step.set_display_name(f"step-{i + 1}")
-            if previous is not None:
-                step.after(previous)
+            step.after(previous)
             previous = step
 
     return rl_experiment

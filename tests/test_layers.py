@@ -37,8 +37,9 @@ LAYERS: dict[str, int] = {
     "rollpacker.store": 1,
     "rollpacker.tracking": 1,
     "rollpacker.rollout": 1,  # the round driver
-    # devservices starts the local S3 / Ray / MLflow processes; it imports only core and store, and
-    # services/registry.py (layer 2) asks it for the local Ray head's address, so it sits at layer 1.
+    # devservices starts the local S3 / Ray / MLflow processes (dev tooling); it imports only core and
+    # store. The runners and the CLI use it; the services never do (FORBIDDEN): the runner hands the
+    # Ray address to the registry.
     "rollpacker.devservices": 1,
     # test support shipped with the package (fault injection), loaded by name through stages.hooks
     "rollpacker.testing": 1,
@@ -59,8 +60,14 @@ LAYERS: dict[str, int] = {
     "rollpacker.cli": 7,
 }
 # Imports the order alone would allow but that are not: the components use only the stages' edge
-# and below, never each other's pipelines.
-FORBIDDEN: tuple[tuple[str, str], ...] = (("components", "pipelines"),)
+# and below, never each other's pipelines; the stages never build or train a model (the model
+# preparation runs before an arm's first step, tasks/prepare.py); the services never use dev tooling.
+MODEL_PREPARATION = ("rollpacker.tasks.prepare", "rollpacker.tasks.warmup", "rollpacker.tasks.tiny_model")
+FORBIDDEN: tuple[tuple[str, str], ...] = (
+    ("components", "pipelines"),
+    *(("rollpacker.stages", m) for m in MODEL_PREPARATION),
+    ("rollpacker.services", "rollpacker.devservices"),
+)
 
 
 def _real_tree() -> Graph:
@@ -207,6 +214,43 @@ def test_forbidden_pairs_and_unplaced_modules(tmp_path: Path) -> None:
     assert [m.split(": ")[1] for m in unplaced(graph, PLANTED_LAYERS)] == [
         "pkg.new has no layer; add it to the layer table at the rank its imports allow"
     ]
+
+
+def test_the_real_forbidden_pairs_catch_planted_imports(tmp_path: Path) -> None:
+    """A stage that prepares a model (module-level or function-local) and a service that asks the
+    dev tooling for anything are reported as forbidden, with the real layer table and pairs."""
+    _write(
+        tmp_path / "rollpacker",
+        {
+            "__init__.py": "",
+            "devservices.py": "",
+            "tasks/__init__.py": "",
+            "tasks/models.py": "",
+            "tasks/prepare.py": "from rollpacker.tasks import models\n",
+            "tasks/warmup.py": "",
+            "stages/__init__.py": "",
+            "stages/plan.py": (
+                "from rollpacker.tasks.models import base_key\n"
+                "from rollpacker.tasks.prepare import prepare_arm\n\n\n"
+                "def f():\n    from rollpacker.tasks import warmup\n"
+            ),
+            "services/__init__.py": "",
+            "services/registry.py": "from rollpacker.devservices import local_ray_address\n",
+        },
+    )
+    graph = scan([tmp_path / "rollpacker"], base=tmp_path)
+    found = upward_imports(graph, LAYERS, FORBIDDEN)
+    assert [(v.kind, v.imp.importer, v.imp.imported, v.imp.line) for v in found] == [
+        ("forbidden", "rollpacker.services.registry", "rollpacker.devservices", 1),
+        ("forbidden", "rollpacker.stages.plan", "rollpacker.tasks.prepare", 2),
+        ("forbidden", "rollpacker.stages.plan", "rollpacker.tasks.warmup", 6),
+    ]
+    assert "rollpacker/stages/plan.py:2: rollpacker.stages.plan (layer 3)" in str(found[1])
+    assert "this pair is listed as forbidden" in str(found[1])
+    # without the planted imports the same tree is clean (reading the model's key is allowed)
+    (tmp_path / "rollpacker/stages/plan.py").write_text("from rollpacker.tasks.models import base_key\n")
+    (tmp_path / "rollpacker/services/registry.py").write_text("")
+    assert upward_imports(scan([tmp_path / "rollpacker"]), LAYERS, FORBIDDEN) == []
 
 
 if __name__ == "__main__":

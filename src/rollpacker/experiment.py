@@ -44,18 +44,25 @@ from rollpacker.core.config import (
     load_config,
     resolve_config,
 )
+from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
+from rollpacker.core.tasks import RewardKind
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
+from rollpacker.rewards.factory import judge_model_dir
+from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray, plan_on_ray
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
 from rollpacker.store import open_store
+from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
-from rollpacker.tasks.models import check_model, prepare_model
+from rollpacker.tasks.models import check_model
+from rollpacker.tasks.prepare import prepare_arm
+from rollpacker.tasks.registry import BUILTIN_TASKS, load_task
 from rollpacker.tracking import ExperimentTracker, compare, log_compare
 
 
@@ -83,14 +90,29 @@ def remaining_steps(cfg: ExperimentConfig, arm: str) -> tuple[int, int]:
     return done, max(0, cfg.steps - (done + 1))
 
 
-def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = ()) -> None:
+def ray_address(cfg: ExperimentConfig) -> str:
+    """The Ray cluster this runner hands to the registry and to its KFP tasks: ``services.ray_address``,
+    else $RAY_ADDRESS, else the local head ``rollpacker up`` recorded ("" when none); a
+    ``ServiceError`` when that local head lost its raylet or GCS server (a client would hang)."""
+    addr = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or devservices.local_ray_address()
+    if addr and devservices.local_ray_head_broken(addr):
+        raise ServiceError(
+            f"services.ray_address = {addr!r}: the local Ray head that `rollpacker up` started has lost its "
+            "raylet or GCS server (an interrupted run?) and would hang a client; `make up` stops and "
+            "restarts it"
+        )
+    return addr
+
+
+def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = (), address: str = "") -> None:
     """Fail before any step when a store, MLflow or Ray setting is wrong, or when the Ray cluster's
     GPUs cannot hold the arms' services (one arm at a time: this runner runs the arms one after
-    another whatever ``services.arms`` says, which holds whatever ``disjoint`` holds)."""
+    another whatever ``services.arms`` says, which holds whatever ``disjoint`` holds); ``address``:
+    the Ray cluster (default: ``ray_address(cfg)``)."""
     open_store(cfg.store).check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     if runner == "kfp":
-        connect_ray(cfg.services.ray_address, cfg.services.namespace)
+        connect_ray(address or ray_address(cfg), cfg.services.namespace)
         arms = list(arms or cfg.arm_names)
         if any(arm_gpus(cfg, a).total for a in arms):
             one_at_a_time = replace(cfg, services=replace(cfg.services, arms=ArmSchedule.SEQUENTIAL))
@@ -123,12 +145,13 @@ def run_experiment(
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
     try:
-        preflight(cfg, runner, chosen)
+        address = ray_address(cfg) if runner == "kfp" else ""
+        preflight(cfg, runner, chosen, address)
         if fresh:
             reset_arms(cfg, chosen, say)
         out = ExperimentOutcome(cfg.experiment, tracking_uri=cfg.tracking_uri)
         for arm in chosen:
-            out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say))
+            out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say, address))
         report = compare(cfg.tracking_uri, cfg.experiment)
         log_compare(report, cfg.tracking_uri, cfg.experiment)
         out.compare_table = report.render()
@@ -150,12 +173,13 @@ def _run_arm(
     retries: int,
     root: Path,
     say: Callable[[str], None],
+    address: str = "",
 ) -> ArmOutcome:
     t0 = time.perf_counter()
     failures = 0
     ran = 0
     mode = "ray" if runner == "kfp" else "inline"
-    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, mode))
+    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, mode, address))
     try:
         while True:
             done, left = remaining_steps(cfg, arm)
@@ -164,9 +188,13 @@ def _run_arm(
                 return ArmOutcome(arm, ran, failures, time.perf_counter() - t0, done)
             again = "" if done < 0 else "; --fresh would start it over"
             say(f"[{arm}] committed through step {done}; running {left} more step(s) ({runner}){again}")
+            if done < 0:  # the model preparation: before the arm's first step, with its own bar
+                prepare_models(arm_config(text, arm), open_store(cfg.store), arm, say=say)
             try:
                 if runner == "kfp":
-                    run_arm_kfp(text, arm, left, root, echo=say)
+                    # the KFP tasks are this process's children: they find Ray through $RAY_ADDRESS
+                    with environ_set({"RAY_ADDRESS": address} if address else {}):
+                        run_arm_kfp(text, arm, left, root, echo=say)
                 else:
                     ctx = StageContext.create(text, arm, "inline")
                     for _ in range(left):
@@ -182,6 +210,24 @@ def _run_arm(
                 say(f"[{arm}] a step failed ({str(e).splitlines()[0]}); re-running from step {after + 1}")
     finally:
         registry.kill_all()
+
+
+def prepare_models(
+    cfg: ExperimentConfig,
+    store: ObjectStore,
+    arm: str,
+    quiet: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """The model preparation before ``arm``'s first step, in this process with its own progress:
+    the start model into the store (``tasks.prepare``), and the toy judge's warm-up when the task
+    has judge prompts (the judge service then finds it cached on this machine; on a cluster the
+    judge's pod warms it up itself)."""
+    prepare_arm(cfg, store, arm, quiet=quiet, say=say)
+    if not cfg.reward.judge.model and cfg.task.name in BUILTIN_TASKS:
+        sample = load_task(cfg.task.name, cfg.seed, min(cfg.task.num_examples, 30))
+        if any(ex.reward_kind is RewardKind.JUDGE for ex in sample):
+            judge_model_dir(cfg, quiet=quiet)
 
 
 def _disconnect_ray() -> None:
@@ -315,8 +361,8 @@ def train_arm(
         _check_rerun(states, tracker, resume, say)
     t0 = time.perf_counter()
     done, left = remaining_steps(cfg, arm)
-    if done < 0:
-        prepare_model(cfg, quiet=not progress)  # the warm-up's own bar (cached after the first run)
+    if done < 0:  # the model preparation, before the first step: the warm-up's own bar
+        prepare_models(cfg, store, arm, quiet=not progress, say=say)
     ctx = StageContext.create(text, arm, "inline")
     bar = tqdm(
         total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress, file=console()

@@ -93,15 +93,15 @@ class _Console(io.TextIOBase):
                 if self.step == 1:
                     self.echo(
                         f"[kfp] {self.arm} step 1/{self.steps} controller-plan running (an arm's first "
-                        "plan also prepares its services: warm-ups (cached), engine start, validation)"
+                        "plan also starts its services: engine start, validation)"
                     )
         elif m := _END.search(line):
             rec = TaskRecord(self.step, m.group(1), m.group(2), time.monotonic() - self.started)
             self.records.append(rec)
             self.current = None
+            where = f"step {rec.step}/{self.steps}" if rec.step else "setup"  # prepare-model: before step 1
             self.echo(
-                f"[kfp] {self.arm} step {rec.step}/{self.steps} {task_kind(rec.task):<18} {rec.status:<7} "
-                f"{rec.seconds:6.1f} s"
+                f"[kfp] {self.arm} {where} {task_kind(rec.task):<18} {rec.status:<7} {rec.seconds:6.1f} s"
             )
         elif m := _SKIP.search(line):
             # the one condition of rl-step guards profiling

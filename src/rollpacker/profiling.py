@@ -18,7 +18,8 @@ from rollpacker.core.trace import TraceRecord
 from rollpacker.core.types import Prompt
 from rollpacker.engines.layout import EnginePool, node_devices
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check, table_rows
-from rollpacker.tasks.models import prepare_model, task_data
+from rollpacker.tasks.models import task_data
+from rollpacker.tasks.prepare import prepare_model
 
 
 def parse_layouts(text: str) -> tuple[Layout, ...]:

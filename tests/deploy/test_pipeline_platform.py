@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from rollpacker import deploy
 from rollpacker.pipeline_compile import compile_pipelines
 from tests.pipelines.spec import containers, load_docs, parse_strict
-from tests.pipelines.test_compile import EXECUTOR_COMPONENT
+from tests.pipelines.test_compile import EXECUTOR_COMPONENT, STEP_EXECUTORS
 
 COMPONENT = EXECUTOR_COMPONENT  # executor (less its -N suffix) -> components/<folder>
 
@@ -33,7 +33,8 @@ def test_platform_config_parses_strictly_and_covers_every_executor(
     assert platform is not None, "no Kubernetes platform document"
     execs = _executors(docs)
     assert set(execs) == set(containers(spec))  # every executor, nothing else
-    assert {re.sub(r"-\d+$", "", e) for e in execs} == set(COMPONENT)
+    want = set(COMPONENT) if name == "rl_experiment" else STEP_EXECUTORS
+    assert {re.sub(r"-\d+$", "", e) for e in execs} == want
 
 
 @pytest.mark.parametrize("name", ["rl_step", "rl_experiment"])
@@ -68,7 +69,9 @@ def test_every_task_is_placed_resourced_and_given_its_secrets(
         assert cfg["securityContext"]["runAsNonRoot"] is True
         assert cfg["imagePullPolicy"] == "IfNotPresent", label  # pods start from the node's image
         mounts = [(p["constant"], p["mountPath"]) for p in cfg.get("pvcMount", [])]
-        assert mounts == ([("rollpacker-models", "/models")] if component == "controller" else []), label
+        # model.model_dir is read by the controller (its key) and the model preparation (its upload)
+        models = component in ("controller", "prepare_model")
+        assert mounts == ([("rollpacker-models", "/models")] if models else []), label
 
 
 def test_node_pool_is_chosen_at_compile_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

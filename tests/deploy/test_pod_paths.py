@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollpacker.core.config import arm_config, load_config
-from rollpacker.core.pod_paths import CONTROLLER, KFP, RAY, PathRead, Pod, local_paths, path_reads
+from rollpacker.core.pod_paths import CONTROLLER, KFP, PREPARE, RAY, PathRead, Pod, local_paths, path_reads
 from tests.pipelines.test_compile import EXECUTOR_COMPONENT, _base
 
 CONFIGS = ("configs/cluster.yaml", "manifests/experiment.yaml", "src/rollpacker/configs/cluster.yaml")
@@ -110,7 +110,8 @@ def test_a_controller_without_the_models_volume_fails(root: Path, gpu: tuple[Any
         cfg.pop("pvcMount", None)
     reads = path_reads(_arms(root, "configs/cluster.yaml")[0])
     assert [p.split(":")[0] for p in problems(reads, docs, broken)] == [
-        "model.model_dir = /models/Qwen2.5-7B",
+        "model.model_dir = /models/Qwen2.5-7B",  # the prepare-model task's upload
+        "model.model_dir = /models/Qwen2.5-7B",  # the plan's key
         "task.name = /models/data/train.jsonl",
     ]
     no_claim = [d for d in docs if d["kind"] != "PersistentVolumeClaim"]
@@ -125,8 +126,9 @@ def test_a_path_outside_the_mounts_fails_and_a_store_uri_is_read_by_nobody(
     moved = text.replace("/models/Qwen2.5-7B", "/data/Qwen2.5-7B")
     cfg = arm_config(moved, "sync")
     assert problems(path_reads(cfg), docs, platform) == [
-        f"model.model_dir = /data/Qwen2.5-7B: {CONTROLLER} mounts no volume claim there "
+        f"model.model_dir = /data/Qwen2.5-7B: {pod} mounts no volume claim there "
         "(mounts: [('/models', 'rollpacker-models')])"
+        for pod in (PREPARE, CONTROLLER)
     ]
     s3 = arm_config(text.replace("/models/data/train.jsonl", "s3://rollpacker/data/train.jsonl"), "sync")
-    assert [r.setting for r in path_reads(s3)] == ["model.model_dir"]
+    assert [r.setting for r in path_reads(s3)] == ["model.model_dir", "model.model_dir"]

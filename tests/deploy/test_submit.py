@@ -83,7 +83,7 @@ def test_submit_uploads_the_compiled_pipeline_and_starts_one_run_per_arm(
     assert filename == "rl_experiment.yaml"
     assert content == (tmp_path / "build" / "rl_experiment.yaml").read_bytes() == sub.package.read_bytes()
     spec, platform = parse_strict(list(yaml.safe_load_all(content)))
-    assert spec.pipeline_info.name == "rl-experiment" and len(spec.root.dag.tasks) == 2
+    assert spec.pipeline_info.name == "rl-experiment" and len(spec.root.dag.tasks) == 1 + 2
     assert platform is not None
     # the experiment is the config's
     assert fake.requests[6].json()["display_name"] == "deploy-test"

@@ -74,7 +74,7 @@ def test_a_rerun_without_resume_never_logs_into_an_earlier_run_silently(tmp_path
     def started(*_a, **_k):
         raise _Started
 
-    monkeypatch.setattr("rollpacker.experiment.prepare_model", started)
+    monkeypatch.setattr("rollpacker.experiment.prepare_models", started)
     f, base = _config(tmp_path)
     text, cfg = train_config(f, base)
     (arm,) = cfg.arm_names
@@ -218,7 +218,7 @@ def test_a_run_with_committed_steps_names_the_exact_commands_and_both_work(tmp_p
     def started(*_a, **_k):
         raise _Started
 
-    monkeypatch.setattr("rollpacker.experiment.prepare_model", started)
+    monkeypatch.setattr("rollpacker.experiment.prepare_models", started)
     monkeypatch.setattr("rollpacker.experiment.StageContext.create", started)
     res = CliRunner().invoke(app, ["train", "--config", str(f), *sets])
     assert res.exit_code == 2 and "already committed 1 step(s)" in res.output, res.output

@@ -1,4 +1,5 @@
-"""A stand-in for ``rollpacker.stages.edge`` (the contract the components call), recording its calls.
+"""A stand-in for ``rollpacker.stages.edge`` and ``rollpacker.tasks.prepare`` (the contracts the
+components call), recording its calls.
 
 Used in-process by test_components.py and, through a sitecustomize, inside kfp.local's task
 subprocesses by test_local.py. ``FAKE_STAGES_STATE`` names a file holding the arm's step counter;
@@ -38,6 +39,12 @@ def _enter(stage: str, **kwargs: str) -> None:
 def _state() -> Path | None:
     p = os.environ.get("FAKE_STAGES_STATE")
     return Path(p) if p else None
+
+
+def prepare(config: str, arm: str) -> str:
+    """``rollpacker.tasks.prepare.prepare``: the prepare-model task's edge."""
+    _enter("prepare", config=config, arm=arm)
+    return f"file:///store/{arm}/base/"
 
 
 def plan(config: str, arm: str) -> PlanOutput:

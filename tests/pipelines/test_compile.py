@@ -35,7 +35,10 @@ EXECUTOR_COMPONENT = {
     "exec-sandbox-reward": "sandbox_reward",
     "exec-judge": "judge",
     "exec-training": "training",
+    "exec-prepare-model": "prepare_model",  # rl_experiment only: before the first step
 }
+# the executors of one step (rl_step)
+STEP_EXECUTORS = set(EXECUTOR_COMPONENT) - {"exec-prepare-model"}
 
 
 def _base(label: str) -> str:
@@ -140,16 +143,17 @@ def test_caching_off_and_no_retries_on_every_task(compiled: dict[str, Path]) -> 
 def test_rl_experiment_chains_n_step_subdags_in_order(compiled: dict[str, Path]) -> None:
     spec = load_spec(compiled["rl_experiment"])
     tasks = spec.root.dag.tasks
-    assert len(tasks) == STEPS
+    assert len(tasks) == STEPS + 1
     firsts = [n for n, t in tasks.items() if not t.dependent_tasks]
-    assert len(firsts) == 1
+    assert firsts == ["prepare-model"]  # the start model in the store before the first step
+    assert set(tasks["prepare-model"].inputs.parameters) == {"config", "arm"}
     chain = firsts
-    while len(chain) < STEPS:
+    while len(chain) < STEPS + 1:
         nxt = [n for n, t in tasks.items() if list(t.dependent_tasks) == [chain[-1]]]
         assert len(nxt) == 1, f"step after {chain[-1]}: {nxt}"
         chain += nxt
-    assert [tasks[n].task_info.name for n in chain] == [f"step-{i + 1}" for i in range(STEPS)]
-    for name in chain:
+    assert [tasks[n].task_info.name for n in chain[1:]] == [f"step-{i + 1}" for i in range(STEPS)]
+    for name in chain[1:]:
         sub = dag_of(spec, tasks[name].component_ref.name).tasks
         assert {re.sub(r"-\d+$", "", n) for n in sub} == STEP_TASKS
         assert tasks[name].inputs.parameters["config"].component_input_parameter == "config"
@@ -175,7 +179,8 @@ def test_default_images_come_from_images_py(tmp_path: Path, monkeypatch: pytest.
     _clear_image_env(monkeypatch)
     for path in compile_pipelines(tmp_path, 2):
         execs = containers(load_spec(path))
-        assert {_base(label) for label in execs} == set(EXECUTOR_COMPONENT)
+        want_execs = STEP_EXECUTORS if path.name == "rl_step.yaml" else set(EXECUTOR_COMPONENT)
+        assert {_base(label) for label in execs} == want_execs
         from components import images  # freshly imported by compile_pipelines
 
         for label, container in execs.items():
@@ -183,6 +188,10 @@ def test_default_images_come_from_images_py(tmp_path: Path, monkeypatch: pytest.
             assert container["image"] == want, label
     assert containers(load_spec(tmp_path / "rl_step.yaml"))["exec-profiling"]["image"] == (
         "ghcr.io/rollpacker/rollout:0.1.0"
+    )
+    # the model preparation runs where torch is (a warm-up trains): not the controller image
+    assert containers(load_spec(tmp_path / "rl_experiment.yaml"))["exec-prepare-model"]["image"] == (
+        "ghcr.io/rollpacker/training:0.1.0"
     )
 
 
@@ -228,10 +237,10 @@ def test_cli_compile_takes_steps_from_config_and_flag(tmp_path: Path) -> None:
     res = runner.invoke(app, ["compile", "--out", str(tmp_path / "a"), "--config", str(cfg)])
     assert res.exit_code == 0, res.output
     assert "rl_experiment.yaml" in res.output
-    assert len(load_spec(tmp_path / "a" / "rl_experiment.yaml").root.dag.tasks) == 2
+    assert len(load_spec(tmp_path / "a" / "rl_experiment.yaml").root.dag.tasks) == 1 + 2  # prepare-model
     res = runner.invoke(app, ["compile", "--out", str(tmp_path / "b"), "--config", str(cfg), "--steps", "4"])
     assert res.exit_code == 0, res.output
-    assert len(load_spec(tmp_path / "b" / "rl_experiment.yaml").root.dag.tasks) == 4
+    assert len(load_spec(tmp_path / "b" / "rl_experiment.yaml").root.dag.tasks) == 1 + 4
 
 
 def test_cli_compile_refuses_bad_input(tmp_path: Path) -> None:

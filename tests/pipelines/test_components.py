@@ -25,7 +25,11 @@ COMPONENTS = {
     "sandbox_reward": ("components.sandbox_reward.component", "reward"),
     "judge": ("components.judge.component", "judge"),
     "training": ("components.training.component", "train"),
+    "prepare_model": ("components.prepare_model.component", "prepare"),
 }
+# the module each component's function comes from: the stages' edge, or the model preparation's
+# (which the stages never import: tests/test_layers.py)
+EDGE = {name: "rollpacker.stages.edge" for name in COMPONENTS} | {"prepare_model": "rollpacker.tasks.prepare"}
 KFP_PREAMBLE = {"kfp", "kfp.dsl", "typing"}
 # what each fake stage returns (tests/pipelines/fake_stages.py)
 STAGE_RESULTS = {
@@ -64,16 +68,15 @@ def test_shipped_source_imports_its_stage_inside_the_function(name: str) -> None
     assert module_imports <= KFP_PREAMBLE, f"module-level imports outside the KFP preamble: {module_imports}"
     (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert func.name == name
-    inner = [
-        n for n in ast.walk(func) if isinstance(n, ast.ImportFrom) and n.module == "rollpacker.stages.edge"
-    ]
+    inner = [n for n in ast.walk(func) if isinstance(n, ast.ImportFrom) and n.module == EDGE[name]]
     assert [a.name for n in inner for a in n.names] == [COMPONENTS[name][1]]
-    assert f"from rollpacker.stages.edge import {COMPONENTS[name][1]}" in source
+    assert f"from {EDGE[name]} import {COMPONENTS[name][1]}" in source
 
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setitem(sys.modules, "rollpacker.stages.edge", fake_stages)
+    monkeypatch.setitem(sys.modules, "rollpacker.tasks.prepare", fake_stages)
     monkeypatch.delenv("FAKE_STAGES_STATE", raising=False)
     fake_stages.calls.clear()
     return fake_stages
@@ -84,6 +87,11 @@ def _run_shipped(name: str, **kwargs: Any) -> Any:
     namespace: dict[str, Any] = {"__name__": "ephemeral_component"}
     exec(compile(_shipped_source(name), f"<{name}>", "exec"), namespace)
     return namespace[name](**kwargs)
+
+
+def test_prepare_model_returns_the_start_models_uri(fake: Any) -> None:
+    assert _run_shipped("prepare_model", config="steps: 3", arm="sync") == "file:///store/sync/base/"
+    assert fake.calls == [("prepare", {"config": "steps: 3", "arm": "sync"})]
 
 
 def test_controller_plan_returns_the_named_outputs(fake: Any) -> None:

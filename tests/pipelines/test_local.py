@@ -19,7 +19,8 @@ FAKE = Path(__file__).with_name("fake_stages.py")
 
 @pytest.fixture
 def fake_stages_in_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Task subprocesses import tests/pipelines/fake_stages.py as ``rollpacker.stages.edge``."""
+    """Task subprocesses import tests/pipelines/fake_stages.py as ``rollpacker.stages.edge`` (and as
+    ``rollpacker.tasks.prepare``, the prepare-model task's edge)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(
@@ -27,6 +28,7 @@ def fake_stages_in_tasks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Pat
         f"spec = importlib.util.spec_from_file_location('rollpacker.stages.edge', {str(FAKE)!r})\n"
         "mod = importlib.util.module_from_spec(spec)\n"
         "sys.modules['rollpacker.stages.edge'] = mod\n"
+        "sys.modules['rollpacker.tasks.prepare'] = mod\n"
         "spec.loader.exec_module(mod)\n"
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))

@@ -63,3 +63,16 @@ def test_other_failures_are_not_retried(fake: Any) -> None:
     with pytest.raises(ServiceError, match="no Ray cluster answers"):
         registry.connect_ray("ray://127.0.0.3:10001", "ns")
     assert ray.inits == 1
+
+
+def test_without_an_address_or_ray_address_it_names_both_and_the_runner(fake: Any, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The registry finds no local head by itself (no dev tooling in the services): the runner hands
+    the address over, or $RAY_ADDRESS carries it."""
+    ray = fake([])
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ServiceError, match=r"services.ray_address or \$RAY_ADDRESS.*`rollpacker run`"):
+        registry.connect_ray("", "ns")
+    assert ray.inits == 0
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.3:6380")
+    registry.connect_ray("", "ns")
+    assert ray.inits == 1

@@ -44,7 +44,8 @@ def run_fidelity_bench(
     import torch
 
     from rollpacker.engines.vllm_engine import VLLMEngine
-    from rollpacker.tasks.models import prepare_model, task_data
+    from rollpacker.tasks.models import task_data
+    from rollpacker.tasks.prepare import prepare_model
     from rollpacker.trainers.correction import mismatch_sums
     from rollpacker.trainers.torch_trainer import TorchTrainer
 

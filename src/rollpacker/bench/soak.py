@@ -299,7 +299,7 @@ def run_soak(
     from rollpacker.services.registry import ServiceRegistry
     from rollpacker.stages.context import StageContext
     from rollpacker.stages.run import run_step
-    from rollpacker.tasks.models import prepare_model
+    from rollpacker.tasks.prepare import prepare_arm
     from rollpacker.tracking import ExperimentTracker
 
     if services not in ("inline", "ray"):
@@ -314,16 +314,16 @@ def run_soak(
     (arm,) = cfg.arm_names
     report = SoakReport(str(config_path), services, steps, warm, max_growth_pct)
     t0 = time.perf_counter()
-    ctx = StageContext.create(text, arm, services)
     ray_address = ""
     if services == "ray":
         from rollpacker.devservices import local_ray_address
 
         ray_address = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
+    ctx = StageContext.create(text, arm, services, ray_address=ray_address)  # the registry gets it
     ctx.store.check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     reset_arms(cfg, [arm], say)  # a soak always starts from step 0
-    prepare_model(cfg, quiet=True)
+    prepare_arm(cfg, ctx.store, arm, quiet=True)  # the plan takes the start model from the store
     try:
         for i in range(steps):
             s0 = time.perf_counter()

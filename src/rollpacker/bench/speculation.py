@@ -79,7 +79,8 @@ def run_speculation_bench(
 ) -> dict[str, Any]:
     """Speculation off vs on per batch size (see the module docstring); the report (JSON-able)."""
     from rollpacker.engines.vllm_engine import VLLMEngine
-    from rollpacker.tasks.models import prepare_model, task_data
+    from rollpacker.tasks.models import task_data
+    from rollpacker.tasks.prepare import prepare_model
 
     if not batches or any(b < 1 for b in batches) or responses < 1 or repeats < 1 or temperature < 0:
         raise ConfigError(

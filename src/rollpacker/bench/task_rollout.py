@@ -167,7 +167,8 @@ def run_task_rollout_bench(
     from rollpacker.engines.speculation import platform_verifies_sampled_exactly
     from rollpacker.engines.verification import verification_path
     from rollpacker.engines.vllm_engine import VLLMEngine
-    from rollpacker.tasks.models import prepare_model, task_data
+    from rollpacker.tasks.models import task_data
+    from rollpacker.tasks.prepare import prepare_model
 
     arms = task_arms(arms)
     _check(periods, max_steps, tail_batch)

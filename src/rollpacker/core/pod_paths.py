@@ -37,6 +37,7 @@ class Pod:
 
 
 CONTROLLER = Pod(KFP, "controller")  # controller.plan / controller.commit
+PREPARE = Pod(KFP, "prepare_model")  # the model preparation before an arm's first step
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,15 @@ def is_local_path(value: str) -> bool:
 def path_reads(cfg: ExperimentConfig) -> tuple[PathRead, ...]:
     """Every (pod, setting, path) where a pod opens a local path the config names.
 
-    - ``model.model_dir``: the plan stage builds the start model from it and uploads it
-      (``tasks.models.prepare_model`` / ``model_identity``); the services get it from the store;
+    - ``model.model_dir``: the prepare-model task uploads it as the start model
+      (``tasks.prepare``) and the plan stage keys it by its files (``tasks.models.model_identity``);
+      the services get it from the store;
     - ``task.name`` (a file): the plan stage publishes it to the store
       (``tasks.dataset_store.publish``); the services read the store's copy.
     """
     reads = []
     if is_local_path(cfg.model.model_dir):
+        reads.append(PathRead(PREPARE, "model.model_dir", cfg.model.model_dir))
         reads.append(PathRead(CONTROLLER, "model.model_dir", cfg.model.model_dir))
     if "://" not in cfg.task.name and cfg.task.name.endswith((".jsonl", ".jsonl.gz")):
         reads.append(PathRead(CONTROLLER, "task.name", cfg.task.name))

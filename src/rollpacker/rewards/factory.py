@@ -113,7 +113,8 @@ def _toy_judge(cfg: ExperimentConfig, quiet: bool) -> Path:
     """The ``reward.judge.preset`` tiny judge warmed up locally (cached)."""
     from tqdm import tqdm
 
-    from rollpacker.tasks.judge_task import JudgeWarmupSpec, warm_up_judge
+    from rollpacker.logs import console
+    from rollpacker.tasks.judge_task import JudgeWarmupSpec, judge_dir, warm_up_judge
     from rollpacker.tasks.registry import BUILTIN_TASKS
 
     j = cfg.reward.judge
@@ -125,7 +126,12 @@ def _toy_judge(cfg: ExperimentConfig, quiet: bool) -> Path:
             "URI in the experiment's store) (docs/judge.md)"
         )
     spec = JudgeWarmupSpec(model=j.preset, steps=j.warmup_steps)
-    bar = tqdm(total=spec.steps, desc="judge warm-up (cached)", unit="step", disable=quiet, leave=False)
+    cached = judge_dir(spec)
+    if (cached / "judge.json").is_file():
+        if not quiet:
+            print(f"judge warm-up: cached ({cached})", file=console(), flush=True)
+        return cached
+    bar = tqdm(total=spec.steps, desc="judge warm-up", unit="step", disable=quiet, file=console())
     try:
         return warm_up_judge(spec, progress=lambda _s, _l: bar.update(1))
     finally:

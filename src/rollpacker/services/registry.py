@@ -49,7 +49,6 @@ from rollpacker.core.placement import (
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Group
 from rollpacker.core.weight_sync import TransferGroup
-from rollpacker.devservices import local_ray_address, local_ray_head_broken
 from rollpacker.services.api import (
     Anchors,
     CommittedStep,
@@ -408,14 +407,18 @@ class RegistrySpec:
     uses_gpus: bool = False
 
     @classmethod
-    def of(cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: str) -> RegistrySpec:
+    def of(
+        cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: str, ray_address: str = ""
+    ) -> RegistrySpec:
+        """``ray_address``: the Ray cluster the runner resolved (default ``services.ray_address``;
+        both empty: ``$RAY_ADDRESS``, see ``connect_ray``)."""
         gpus = arm_gpus(cfg, arm)
         return cls(
             config_text,
             cfg.experiment,
             arm,
             mode=mode,
-            ray_address=cfg.services.ray_address,
+            ray_address=ray_address or cfg.services.ray_address,
             namespace=cfg.services.namespace,
             call_timeout_s=cfg.services.call_timeout_s,
             role_resources=bool(cfg.services.role_resources),
@@ -666,25 +669,21 @@ def plan_on_ray(cfg: ExperimentConfig, arms: list[str]) -> PlacementPlan:
 
 
 def connect_ray(address: str, namespace: str) -> None:
-    """Join the Ray cluster (``services.ray_address``, else $RAY_ADDRESS, else the local head that
-    ``rollpacker up`` recorded); a clear error when none answers."""
+    """Join the Ray cluster at ``address`` (``services.ray_address``, or what the runner resolved:
+    ``rollpacker run`` finds the local head that ``rollpacker up`` recorded and hands its address to
+    the registry and, as $RAY_ADDRESS, to its KFP tasks), else $RAY_ADDRESS (a cluster's pods get it
+    from the ConfigMap); a clear error when none is given or none answers."""
     import ray
 
     if ray.is_initialized():
         return
-    addr = address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
+    addr = address or os.environ.get("RAY_ADDRESS", "")
     if not addr:
         raise ServiceError(
-            "no Ray cluster to run the services on: set services.ray_address or $RAY_ADDRESS, or start "
-            "the local one with `make up`"
+            "no Ray cluster to run the services on: set services.ray_address or $RAY_ADDRESS, or run "
+            "through `rollpacker run` (it starts the local one, or finds the one `make up` started)"
         )
     _probe(addr)
-    if local_ray_head_broken(addr):
-        raise ServiceError(
-            f"services.ray_address = {addr!r}: the local Ray head that `rollpacker up` started has lost its "
-            "raylet or GCS server (an interrupted run?) and would hang a client; `make up` stops and "
-            "restarts it"
-        )
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for attempt in range(CLIENT_SERVER_ATTEMPTS):
         try:

@@ -23,7 +23,7 @@ from rollpacker.stages.messages import StepPlan
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
-from rollpacker.tasks.models import model_identity
+from rollpacker.tasks.models import base_key
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +42,19 @@ class StageContext:
 
     @classmethod
     def create(
-        cls, config_text: str, arm: str, services_mode: str, process_start: float | None = None
+        cls,
+        config_text: str,
+        arm: str,
+        services_mode: str,
+        process_start: float | None = None,
+        ray_address: str = "",
     ) -> StageContext:
-        """The context of ``arm``; ``services_mode``: ``ray`` (named actors) or ``inline``."""
+        """The context of ``arm``; ``services_mode``: ``ray`` (named actors) or ``inline``;
+        ``ray_address``: the Ray cluster a runner resolved (``RegistrySpec.of``)."""
         cfg = arm_config(config_text, arm)
         store = open_store(cfg.store)
         states = StateStore(store, cfg.experiment, arm)
-        services = ServiceRegistry(RegistrySpec.of(config_text, cfg, arm, services_mode))
+        services = ServiceRegistry(RegistrySpec.of(config_text, cfg, arm, services_mode, ray_address))
         return cls(config_text, arm, cfg, store, states, services, process_start)
 
     def tracking_optional(self, what: str, call: Callable[[], object]) -> bool:
@@ -90,7 +96,7 @@ class StageContext:
     def base_key(self) -> str:
         """The start model, keyed by what it is (``model_identity``): a changed model or warm-up
         is a new key, never a stale cached download of the old one."""
-        return f"{self.prefix}/ckpt/base-{model_identity(self.cfg)}/"
+        return base_key(self.cfg, self.arm)
 
     def checkpoint_key(self, step: int, attempt: str) -> str:
         return f"{self.prefix}/ckpt/step-{step:06d}-{attempt}/"

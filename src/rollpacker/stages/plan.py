@@ -5,7 +5,8 @@ Invariants:
   setting to fix (nothing is half-done);
 - a commit that died between its state document and the pointer is finished first (``recover``),
   and one that died before MLflow logged it is logged now (MLflow never misses a committed step);
-- the arm's first plan creates step -1: the base model in the store, the cursor at the start, the
+- the arm's first plan creates step -1: the start model (put in the store by the model preparation
+  before the step, never trained here), the cursor at the start, the
   arm's MLflow run, and the validation before any RL (logged at step 0);
 - a dataset file (``task.name``) is in the store before any service reads it: the services' pods
   see only the store (``tasks.dataset_store``);
@@ -23,6 +24,7 @@ import sys
 import time
 import uuid
 
+from rollpacker.core.errors import RollpackerError
 from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.stages import hooks
 from rollpacker.stages.commit import repair_tracking
@@ -30,7 +32,7 @@ from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import Clock, StepPlan
 from rollpacker.stages.rollout import begin_round
 from rollpacker.tasks.dataset_store import publish
-from rollpacker.tasks.models import prepare_model
+from rollpacker.tasks.models import PREPARED_MARKER
 from rollpacker.tracking import flatten_params
 
 log = logging.getLogger(__name__)
@@ -93,9 +95,17 @@ def plan(ctx: StageContext) -> StepPlan:
 
 
 def _init_state(ctx: StageContext) -> ControllerState:
-    """Step -1: the warmed-up base model uploaded to the store, the cursor at the start."""
+    """Step -1: the start model the model preparation put in the store (``tasks.prepare``, before
+    the arm's first step: the runner or the pipeline's ``prepare-model`` task), the cursor at the start."""
     cfg = ctx.cfg
-    uri = ctx.store.upload_dir(prepare_model(cfg, quiet=True), ctx.base_key())
+    key = ctx.base_key()
+    if not ctx.store.exists(key + PREPARED_MARKER):
+        raise RollpackerError(
+            f"[{ctx.arm}] the start model is not in the store ({ctx.store.uri(key)}): the model preparation "
+            "puts it there before the arm's first step (`rollpacker run` / `rollpacker train` do it, so does "
+            "the pipeline's prepare-model task)"
+        )
+    uri = ctx.store.uri(key)
     run_id = ctx.tracker.arm_run(ctx.arm, flatten_params(cfg))
     state = ControllerState(
         experiment=cfg.experiment,

@@ -1,4 +1,7 @@
-"""The model RL starts from and the task's prompts, prepared from the config (cached)."""
+"""What the model RL starts from is (its identity, shape and key in the store, checked against the
+config) and the task's prompts, without building or training anything: the stages and services
+read these. Building the model (the warm-up) is ``tasks.prepare``, which runs before an arm's first
+step, never inside a stage."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from rollpacker.core.memory import ModelShape
 from rollpacker.core.model_fit import model_refusals
 from rollpacker.core.tasks import TaskExample, split
 from rollpacker.core.types import Prompt
-from rollpacker.logs import console
 
 # the share of code in a built-in task, which the warm-up mixes in (docs/tasks.md)
 CODE_SHARE = {"synthetic_code": 1.0, "mixed": 0.5}
@@ -58,6 +60,16 @@ def model_identity(cfg: ExperimentConfig) -> str:
         return f"warm-{cfg.model.preset}-{warmup_spec(cfg).key()}"
     except ValueError as e:
         raise ConfigError(f"model: {e}") from e
+
+
+def base_key(cfg: ExperimentConfig, arm: str) -> str:
+    """The store prefix of an arm's start model, keyed by what it is (``model_identity``): a changed
+    model or warm-up is a new key, never a stale cached download of the old one."""
+    return f"{cfg.experiment}/{arm}/ckpt/base-{model_identity(cfg)}/"
+
+
+# written into the start model's prefix after its last file: the prefix is complete iff it is there
+PREPARED_MARKER = "prepared.json"
 
 
 def model_shape(cfg: ExperimentConfig) -> tuple[ModelShape, int, str] | None:
@@ -105,48 +117,6 @@ def check_model(
     refusals = model_refusals(cfg, *found)
     if refusals:
         raise ConfigError("; ".join(refusals))
-
-
-def prepare_model(cfg: ExperimentConfig, quiet: bool = False) -> Path:
-    """The model RL starts from: ``model.model_dir``, or the warmed-up tiny model (cached; unless
-    ``quiet``, a bar while it trains or one line when it is cached, to ``logs.console()``)."""
-    from rollpacker.tasks.warmup import cached_warm_up, warm_up
-
-    check_model(cfg)  # nothing is built for a config the model cannot take
-    if cfg.model.model_dir:
-        p = Path(cfg.model.model_dir)
-        if not (p / "config.json").is_file():
-            raise ConfigError(f"model.model_dir = {p}: not a Hugging Face model directory (no config.json)")
-        return p
-    if cfg.model.warmup_steps == 0:
-        from rollpacker.tasks.tiny_model import build_tiny_model
-
-        return build_tiny_model(cfg.model.preset)
-    from tqdm import tqdm
-
-    spec = warmup_spec(cfg)
-    cached = cached_warm_up(spec)
-    if cached is not None:
-        if not quiet:
-            print(f"warm-up: cached ({cached})", file=console(), flush=True)
-        return cached
-    bar = tqdm(
-        total=spec.steps,
-        desc="warm-up (cached after the first run)",
-        unit="step",
-        disable=quiet,
-        leave=False,
-        file=console(),
-    )
-
-    def progress(step: int, loss: float) -> None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
-
-    try:
-        return warm_up(spec, progress=progress)
-    finally:
-        bar.close()
 
 
 @dataclass(frozen=True)
