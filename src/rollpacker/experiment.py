@@ -47,6 +47,7 @@ from rollpacker.core.config import (
 from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
+from rollpacker.core.types import Runner, ServicesMode, parse_enum
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray, plan_on_ray
@@ -83,13 +84,14 @@ def remaining_steps(cfg: ExperimentConfig, arm: str) -> tuple[int, int]:
     return done, max(0, cfg.steps - (done + 1))
 
 
-def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = ()) -> None:
+def preflight(cfg: ExperimentConfig, runner: Runner, arms: Sequence[str] = ()) -> None:
     """Fail before any step when a store, MLflow or Ray setting is wrong, or when the Ray cluster's
     GPUs cannot hold the arms' services (one arm at a time: this runner runs the arms one after
     another whatever ``services.arms`` says, which holds whatever ``disjoint`` holds)."""
+    runner = parse_enum(Runner, runner, "--runner")
     open_store(cfg.store).check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
-    if runner == "kfp":
+    if runner is Runner.KFP:
         connect_ray(cfg.services.ray_address, cfg.services.namespace)
         arms = list(arms or cfg.arm_names)
         if any(arm_gpus(cfg, a).total for a in arms):
@@ -99,7 +101,7 @@ def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = ()) -> N
 
 def run_experiment(
     config_path: Path,
-    runner: str = "kfp",
+    runner: Runner = Runner.KFP,
     arms: Sequence[str] | None = None,
     retries: int = 1,
     pipeline_root: Path = Path("build/kfp"),
@@ -109,8 +111,7 @@ def run_experiment(
 ) -> ExperimentOutcome:
     err = console()  # bound now: kfp.local's run redirects sys.stderr into its log
     say = echo or (lambda s: print(s, file=err, flush=True))
-    if runner not in ("kfp", "inline"):
-        raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
+    runner = parse_enum(Runner, runner, "--runner")  # kfp (kfp.local) or inline (one process)
     config_path = resolve_config(config_path)
     cfg = load_config(config_path)
     text = config_path.read_text()
@@ -135,7 +136,7 @@ def run_experiment(
         return out
     finally:
         _disconnect_ray()
-        if runner == "inline":
+        if runner is Runner.INLINE:
             ServiceRegistry.close_inline()
         if started is not None:
             devservices.down(started.root, names=started.started)
@@ -146,7 +147,7 @@ def _run_arm(
     cfg: ExperimentConfig,
     text: str,
     arm: str,
-    runner: str,
+    runner: Runner,
     retries: int,
     root: Path,
     say: Callable[[str], None],
@@ -154,8 +155,7 @@ def _run_arm(
     t0 = time.perf_counter()
     failures = 0
     ran = 0
-    mode = "ray" if runner == "kfp" else "inline"
-    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, mode))
+    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, runner.services_mode))
     try:
         while True:
             done, left = remaining_steps(cfg, arm)
@@ -165,10 +165,10 @@ def _run_arm(
             again = "" if done < 0 else "; --fresh would start it over"
             say(f"[{arm}] committed through step {done}; running {left} more step(s) ({runner}){again}")
             try:
-                if runner == "kfp":
+                if runner is Runner.KFP:
                     run_arm_kfp(text, arm, left, root, echo=say)
                 else:
-                    ctx = StageContext.create(text, arm, "inline")
+                    ctx = StageContext.create(text, arm, ServicesMode.INLINE)
                     for _ in range(left):
                         out = run_step(ctx)
                         say(f"[{arm}] {_brief(out.metrics)}")
@@ -317,7 +317,7 @@ def train_arm(
     done, left = remaining_steps(cfg, arm)
     if done < 0:
         prepare_model(cfg, quiet=not progress)  # the warm-up's own bar (cached after the first run)
-    ctx = StageContext.create(text, arm, "inline")
+    ctx = StageContext.create(text, arm, ServicesMode.INLINE)
     bar = tqdm(
         total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress, file=console()
     )

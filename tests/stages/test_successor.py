@@ -6,6 +6,7 @@ from rollpacker.core.config import config_from_text
 from rollpacker.core.policies.buffered import BufferEntry, buffer_to_json
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.state import ControllerState
+from rollpacker.core.types import Role, RoundKind
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.successor import step_metrics, successor
@@ -24,11 +25,11 @@ def _round(buffer_uri: str = "") -> RoundReport:
     return RoundReport(
         step=0,
         attempt="a",
-        round_kind="short",
+        round_kind=RoundKind.SHORT,
         trained=("p1", "p2"),
         deferred=("p3",),
         from_queue=(),
-        groups_by_role={"reward": ("p1", "p2")},
+        groups_by_role={Role.REWARD: ("p1", "p2")},
         lengths=(4, 9, 5, 6),
         longest=(("p1", 9), ("p2", 6)),
         next_cursor=CursorState(7, 0, 3),
@@ -43,7 +44,7 @@ def test_the_successor_carries_every_report_into_the_state(tmp_path) -> None:
     state = ControllerState("e", "tail_batching", -1, 7, 0, 0, timeout_anchors=(("old", 1.0),))
     entry = BufferEntry("p9", 0)
     uri = ctx.store.put_bytes("e/tail_batching/buffers/b.json", buffer_to_json([entry]).encode())
-    drain = DrainReport("reward", 0.1, 2, samples=4, reward_sum=3.0, timeout_anchors=(("case", 0.5),))
+    drain = DrainReport(Role.REWARD, 0.1, 2, samples=4, reward_sum=3.0, timeout_anchors=(("case", 0.5),))
     train = TrainReport("file:///ck/", 1, 4, "", {"train/loss": 0.1})
     new = successor(ctx, state, _round(uri), drain, train, "", 0.3)
     assert (new.step, new.cursor_seed, new.cursor_position, new.long_queue) == (0, 7, 3, ("p3",))
@@ -63,8 +64,8 @@ def test_the_successor_carries_every_report_into_the_state(tmp_path) -> None:
 
 
 def test_step_metrics_merge_the_reports() -> None:
-    rw = DrainReport("reward", 0.5, 2, samples=4, reward_sum=3.0, metrics={"reward/tail_s": 0.2})
-    jd = DrainReport("judge", 0.25, 1, samples=4, reward_sum=1.0, metrics={"judge/tail_s": 0.7})
+    rw = DrainReport(Role.REWARD, 0.5, 2, samples=4, reward_sum=3.0, metrics={"reward/tail_s": 0.2})
+    jd = DrainReport(Role.JUDGE, 0.25, 1, samples=4, reward_sum=1.0, metrics={"judge/tail_s": 0.7})
     m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
     assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
     assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0

@@ -295,6 +295,7 @@ def run_soak(
     """Run ``steps`` fresh steps and sample after each (see the module docstring)."""
     from rollpacker.core.config import config_from_text
     from rollpacker.core.errors import ConfigError
+    from rollpacker.core.types import ServicesMode
     from rollpacker.experiment import reset_arms
     from rollpacker.services.registry import ServiceRegistry
     from rollpacker.stages.context import StageContext
@@ -314,7 +315,7 @@ def run_soak(
     (arm,) = cfg.arm_names
     report = SoakReport(str(config_path), services, steps, warm, max_growth_pct)
     t0 = time.perf_counter()
-    ctx = StageContext.create(text, arm, services)
+    ctx = StageContext.create(text, arm, ServicesMode(services))  # checked above
     ray_address = ""
     if services == "ray":
         from rollpacker.devservices import local_ray_address

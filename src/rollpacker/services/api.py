@@ -29,7 +29,7 @@ from rollpacker.core.advantages import TrainSample
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.serde import Message
 from rollpacker.core.state import ControllerState
-from rollpacker.core.types import Group
+from rollpacker.core.types import Group, Role, RoundKind
 from rollpacker.core.weight_sync import TransferGroup
 
 Anchors = tuple[tuple[str, float], ...]  # the sandbox's timeout anchors: (test case, seconds)
@@ -80,11 +80,11 @@ class RoundPlan(Message):
     """The round the arm's policy would run next (the plan stage reports it; the rollout stage
     plans it again from the same state, so both agree)."""
 
-    round_kind: str
+    round_kind: RoundKind
     prompts: tuple[str, ...]
     from_queue: tuple[str, ...]
     target_prompts: int
-    roles: tuple[str, ...]  # the reward services the task needs: "reward", "judge"
+    roles: tuple[Role, ...]  # the reward services the task needs: reward, judge
 
 
 @dataclass(frozen=True)
@@ -93,11 +93,11 @@ class RoundReport(Message):
 
     step: int
     attempt: str
-    round_kind: str
+    round_kind: RoundKind
     trained: tuple[str, ...]  # prompt ids of the groups the update trains
     deferred: tuple[str, ...]  # prompt ids left for later (queue or buffer)
     from_queue: tuple[str, ...]
-    groups_by_role: dict[str, tuple[str, ...]]  # reward role -> prompt ids it rewards
+    groups_by_role: dict[Role, tuple[str, ...]]  # reward role -> prompt ids it rewards
     lengths: tuple[int, ...]  # response lengths of the trained groups
     longest: tuple[tuple[str, int], ...]  # (prompt id, its longest trained response)
     next_cursor: CursorState
@@ -161,7 +161,7 @@ class TrainerBegin(Message):
 class DrainReport(Message):
     """A reward service's account of one step."""
 
-    role: str
+    role: Role
     drain_s: float
     groups: int
     samples: int = 0
@@ -319,7 +319,7 @@ class Peers(Protocol):
 
     def rollout(self) -> RolloutAPI: ...
 
-    def reward(self, role: str) -> RewardAPI: ...
+    def reward(self, role: Role) -> RewardAPI: ...
 
     def trainer(self) -> TrainerAPI: ...
 
@@ -360,7 +360,7 @@ class CommittedStep(Message):
     run_id: str
     step: int  # the MLflow step (the RL step + 1: step 0 is the validation before any RL)
     metrics: dict[str, float]
-    round_kind: str
+    round_kind: RoundKind
     lengths: tuple[int, ...]
     state_uri: str
     state_step: int

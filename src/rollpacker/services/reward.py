@@ -42,7 +42,7 @@ from rollpacker.core.advantages import train_samples
 from rollpacker.core.errors import RewardError, TrainerError
 from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout
-from rollpacker.core.types import Group
+from rollpacker.core.types import Group, Role
 from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
 from rollpacker.rewards.code import CodeReward
 from rollpacker.rewards.factory import build_rewards
@@ -78,7 +78,7 @@ class _Attempt:
 
 
 class RewardService(Service, RewardAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "reward") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.REWARD) -> None:
         super().__init__(config_text, arm, role)
         if role not in ROLE_KINDS:
             raise RewardError(f"reward service role {role!r}: use 'reward' or 'judge'")
@@ -267,7 +267,9 @@ class RewardService(Service, RewardAPI):
             samples=len(results),
             reward_sum=sum(r.reward for r in results),
             metrics=metrics,
-            timeout_anchors=tuple(sorted(self.timeouts.anchors().items())) if self.role == "reward" else (),
+            timeout_anchors=tuple(sorted(self.timeouts.anchors().items()))
+            if self.role is Role.REWARD
+            else (),
         )
 
     def _metrics(
@@ -275,7 +277,7 @@ class RewardService(Service, RewardAPI):
     ) -> dict[str, float]:
         if not results:
             return {}
-        pre = "judge" if self.role == "judge" else "reward"
+        pre = "judge" if self.role is Role.JUDGE else "reward"
         rewards = [r.reward for r in results]
         lat = [r.elapsed_s for r in results]
         m = {

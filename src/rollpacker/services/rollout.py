@@ -58,7 +58,7 @@ from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.scaledown import LengthHistory
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
-from rollpacker.core.types import Completion, Group, SamplingSpec
+from rollpacker.core.types import Completion, Group, Role, RoundKind, SamplingSpec
 from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.engines.gpus import engine_device
 from rollpacker.engines.layout import (
@@ -97,13 +97,13 @@ class Superseded(RollpackerError):
     """A newer attempt of the step took the engine over."""
 
 
-def reward_role(kind: RewardKind) -> str:
+def reward_role(kind: RewardKind) -> Role:
     """The service that scores a reward kind: the judge LLM, or the rule/sandbox workers."""
-    return "judge" if kind is RewardKind.JUDGE else "reward"
+    return Role.JUDGE if kind is RewardKind.JUDGE else Role.REWARD
 
 
 class RolloutService(Service, RolloutAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "rollout") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.ROLLOUT) -> None:
         super().__init__(config_text, arm, role)
         self.engine: Any = None
         self.checkpoint_uri = ""
@@ -239,14 +239,14 @@ class RolloutService(Service, RolloutAPI):
             self._pred_uri = profile_uri
         return self._pred
 
-    def _prepare_layout(self, state: ControllerState, round_kind: str) -> dict[str, float]:
+    def _prepare_layout(self, state: ControllerState, round_kind: RoundKind) -> dict[str, float]:
         """Put the round on the planned layout (short and long rounds keep their own TP)."""
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
             return {}
         pc = self.cfg.planner
-        tp = state.tp_plan.long_tp if round_kind == "long" else state.tp_plan.short_tp
+        tp = state.tp_plan.long_tp if round_kind is RoundKind.LONG else state.tp_plan.short_tp
         tp = max(pc.min_tp, min(tp, pc.max_tp, pc.devices))
         eng.set_layout(Layout(tp, pc.devices // tp))
         eng.predictor = self._predictor(state.profile_uri)
@@ -422,7 +422,7 @@ class RolloutService(Service, RolloutAPI):
     def plan(self, state: ControllerState, step: int) -> RoundPlan:
         plan = self._policy(state, "plan").plan_step(step)
         return RoundPlan(
-            round_kind=plan.round_kind.value,
+            round_kind=plan.round_kind,
             prompts=tuple(p.prompt_id for p in plan.prompts),
             from_queue=tuple(plan.from_queue),
             target_prompts=plan.target_prompts,
@@ -443,7 +443,7 @@ class RolloutService(Service, RolloutAPI):
             # every prompt's kind: dynamic sampling draws prompts beyond the plan during the round
             kinds = {pid: ex.reward_kind for pid, ex in self.data().examples.items()}
             calls = _RewardCalls(self, step, attempt, kinds, _tokenizer(str(self.model_dir)))
-            layout_metrics = self._prepare_layout(state, plan.round_kind.value)
+            layout_metrics = self._prepare_layout(state, plan.round_kind)
             scaler = self._scale_down(state, attempt)
 
             def on_step(_stats: Any, completed: int) -> None:
@@ -568,7 +568,7 @@ class RolloutService(Service, RolloutAPI):
         return RoundReport(
             step=step,
             attempt=attempt,
-            round_kind=result.plan.round_kind.value,
+            round_kind=result.plan.round_kind,
             trained=tuple(g.prompt.prompt_id for g in result.groups),
             deferred=tuple(p.prompt_id for p in result.deferred),
             from_queue=tuple(result.plan.from_queue),
@@ -636,7 +636,7 @@ class RolloutService(Service, RolloutAPI):
                 self._drop_if_dead("validation")
                 raise
         tok = _tokenizer(str(self.model_dir))
-        by_role: dict[str, list[ScoreItem]] = {}
+        by_role: dict[Role, list[ScoreItem]] = {}
         for c in comps:
             role = reward_role(data.examples[c.prompt_id].reward_kind)
             text = tok.decode(list(c.token_ids), skip_special_tokens=True)
@@ -777,8 +777,8 @@ def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
     return dataclasses.replace(ecfg, speculation=dataclasses.replace(spec, enabled=False))
 
 
-def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, tuple[str, ...]]:
-    out: dict[str, list[str]] = {"reward": [], "judge": []}
+def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[Role, tuple[str, ...]]:
+    out: dict[Role, list[str]] = {Role.REWARD: [], Role.JUDGE: []}
     for g in groups:
         out[reward_role(kinds[g.prompt.prompt_id])].append(g.prompt.prompt_id)
     return {k: tuple(v) for k, v in out.items()}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rollpacker.core.config import ExperimentConfig, arm_config
 from rollpacker.core.errors import TrackingUnavailable
 from rollpacker.core.state import ControllerState, StateError
+from rollpacker.core.types import ServicesMode
 from rollpacker.services.api import TrackingAPI
 from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry
@@ -42,9 +43,9 @@ class StageContext:
 
     @classmethod
     def create(
-        cls, config_text: str, arm: str, services_mode: str, process_start: float | None = None
+        cls, config_text: str, arm: str, services_mode: ServicesMode, process_start: float | None = None
     ) -> StageContext:
-        """The context of ``arm``; ``services_mode``: ``ray`` (named actors) or ``inline``."""
+        """The context of ``arm``; its services are named Ray actors or objects in this process."""
         cfg = arm_config(config_text, arm)
         store = open_store(cfg.store)
         states = StateStore(store, cfg.experiment, arm)

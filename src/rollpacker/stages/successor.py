@@ -15,6 +15,7 @@ from rollpacker.core.latency import Predictor, ProfileTable, best_layout
 from rollpacker.core.planner import replay
 from rollpacker.core.policies.buffered import BufferEntry, buffer_from_json
 from rollpacker.core.state import ControllerState, TPPlan
+from rollpacker.core.types import RoundKind
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
 from rollpacker.stages.context import StageContext
 
@@ -72,7 +73,7 @@ def rollback_step(state: ControllerState, tr: TrainReport) -> int | None:
 
 
 def replayed_plan(
-    ctx: StageContext, kinds: tuple[str, ...], history: tuple[int, ...], initial_tp: int
+    ctx: StageContext, kinds: tuple[RoundKind, ...], history: tuple[int, ...], initial_tp: int
 ) -> TPPlan:
     """The planner's heuristic replayed over the whole history from the profiled best TP
     (``initial_tp``; 0 = ``planner.initial_tp``)."""
@@ -80,7 +81,7 @@ def replayed_plan(
     if initial_tp:
         cfg = dataclasses.replace(cfg, initial_tp=max(cfg.min_tp, min(initial_tp, cfg.max_tp)))
     planned = replay(cfg, zip(kinds, history, strict=True))
-    return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds, initial_tp)
+    return TPPlan(planned.tp_for(RoundKind.SHORT), planned.tp_for(RoundKind.LONG), history, kinds, initial_tp)
 
 
 def with_fresh_profile(ctx: StageContext, state: ControllerState, attempt: str) -> ControllerState:
