@@ -39,6 +39,8 @@ def _report(kind: RoundKind = RoundKind.LONG) -> api.RoundReport:
         next_queue=(),
         next_buffer_uri="",
         metrics={},
+        preemptions=4,
+        decode_drift=0.5,
     )
 
 

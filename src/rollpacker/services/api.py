@@ -103,7 +103,11 @@ class RoundReport(Message):
     next_cursor: CursorState
     next_queue: tuple[str, ...]
     next_buffer_uri: str  # the rollout buffer after the round, in the store ("" = none)
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # what MLflow logs; the commit decides on the typed fields below
+    preemptions: int  # the engine's KV-cache preemptions in the round (the TP planner's input)
+    # |predicted - measured| / measured decode time of the round on the profile (0: no profile or
+    # no layouts): a re-profile is due when it passes planner.reprofile_margin
+    decode_drift: float
     end_wall: float = 0.0  # wall clock when the round ended (reward tails are measured from it)
     # DAPO's dynamic sampling: prompts whose groups had no reward variance (consumed: neither
     # trained nor queued), and the prompts drawn beyond the plan to replace them
@@ -167,6 +171,7 @@ class DrainReport(Message):
     samples: int = 0
     reward_sum: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    tail_s: float = 0.0  # seconds from the round's end to the step's last reward (0: none scored)
     timeout_anchors: Anchors = ()  # the sandbox's anchors after the step (role "reward")
 
 

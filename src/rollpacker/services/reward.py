@@ -255,7 +255,8 @@ class RewardService(Service, RewardAPI):
                 )
             results, kinds, wasted = list(cur.results), list(cur.kinds), len(cur.early)
             trained = [r for r in cur.requests if r.sample_id in cur.grouped]
-        metrics = self._metrics(results, kinds, wasted, cur.last_done_wall - rollout_end_wall)
+        tail_s = max(0.0, cur.last_done_wall - rollout_end_wall) if results else 0.0
+        metrics = self._metrics(results, kinds, wasted, tail_s)
         if results:
             metrics.update(self._reference_metrics(cur.references))
         if trained:
@@ -267,6 +268,7 @@ class RewardService(Service, RewardAPI):
             samples=len(results),
             reward_sum=sum(r.reward for r in results),
             metrics=metrics,
+            tail_s=tail_s,
             timeout_anchors=tuple(sorted(self.timeouts.anchors().items()))
             if self.role is Role.REWARD
             else (),

@@ -256,30 +256,32 @@ class RolloutService(Service, RolloutAPI):
         eng.record = True
         return {"rollout/tp": float(tp), "rollout/dp": float(pc.devices // tp)}
 
-    def _layout_metrics(self) -> dict[str, float]:
-        """Switches made in the round, and the predictor's view of its decode steps (the drift
-        that triggers a re-profile)."""
+    def _layout_metrics(self) -> tuple[dict[str, float], float]:
+        """Switches made in the round, and the predictor's view of its decode steps; with the
+        drift that triggers a re-profile (0.0 without a prediction)."""
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
-            return {}
+            return {}, 0.0
         eng.record = False
         out = {
             "rollout/switches": float(len(eng.events)),
             "rollout/switch_s": sum(e.seconds for e in eng.events),
             "rollout/tp_end": float(eng.current.tp),
         }
+        drift = 0.0
         if eng.predictor is not None and eng.trajectory:
             pred = sum(predict_step(eng.predictor, lay, st) for lay, st in eng.trajectory)
             meas = sum(st.seconds for _, st in eng.trajectory)
+            drift = abs(pred - meas) / meas if meas > 0 else 0.0
             out.update(
                 {
                     "planner/predicted_decode_s": pred,
                     "planner/measured_decode_s": meas,
-                    "planner/drift": abs(pred - meas) / meas if meas > 0 else 0.0,
+                    "planner/drift": drift,
                 }
             )
-        return out
+        return out, drift
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
@@ -565,6 +567,7 @@ class RolloutService(Service, RolloutAPI):
         result = run.result
         queue = getattr(policy, "queue", None)
         buffer = getattr(policy, "buffer", None)
+        switch_metrics, drift = self._layout_metrics()
         return RoundReport(
             step=step,
             attempt=attempt,
@@ -590,8 +593,10 @@ class RolloutService(Service, RolloutAPI):
                 "rollout/buffer_size": float(len(buffer or ())),
                 "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
                 **layout_metrics,
-                **self._layout_metrics(),
+                **switch_metrics,
             },
+            preemptions=run.metrics.preemptions,
+            decode_drift=drift,
             end_wall=time.time(),
         )
 

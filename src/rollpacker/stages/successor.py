@@ -29,13 +29,11 @@ def successor(
     anchors_from: DrainReport | None,
     tr: TrainReport,
     profile_uri: str,
-    drift: float,
 ) -> ControllerState:
     """``state`` after the step: ``profile_uri`` is the profile measured in it ("" = none)."""
     hist = dict(state.length_history)
     hist.update(r.longest)
     initial_tp = profiled_tp(ctx, profile_uri) if profile_uri else state.tp_plan.initial_tp
-    preemptions = int(r.metrics.get("rollout/preemptions", 0))
     return state.successor(
         cursor_seed=r.next_cursor.seed,
         cursor_epoch=r.next_cursor.epoch,
@@ -46,7 +44,7 @@ def successor(
         tp_plan=replayed_plan(
             ctx,
             (*state.tp_plan.round_kinds, r.round_kind),
-            (*state.tp_plan.preemption_history, preemptions),
+            (*state.tp_plan.preemption_history, r.preemptions),
             initial_tp,
         ),
         timeout_anchors=anchors_from.timeout_anchors if anchors_from else state.timeout_anchors,
@@ -56,7 +54,7 @@ def successor(
         policy_version=tr.policy_version,
         profile_uri=profile_uri or state.profile_uri,
         # a fresh profile was measured this step; otherwise how far this step's decode drifted
-        profile_drift=0.0 if profile_uri else drift,
+        profile_drift=0.0 if profile_uri else r.decode_drift,
         trained_samples=state.trained_samples + tr.samples,
         trained_prompts=state.trained_prompts + len(r.trained),
     )
@@ -126,10 +124,7 @@ def step_metrics(
     n = sum(d.samples for d in drains)
     if n:
         m["reward/mean"] = sum(d.reward_sum for d in drains) / n
-    m["reward/tail_s"] = max(
-        rw.metrics.get("reward/tail_s", 0.0) if rw else 0.0,
-        jd.metrics.get("judge/tail_s", 0.0) if jd else 0.0,
-    )
+    m["reward/tail_s"] = max((d.tail_s for d in drains), default=0.0)
     m["reward/drain_s"] = sum(d.drain_s for d in drains)
     m["train/samples"] = float(tr.samples)
     return {k: float(v) for k, v in m.items()}
