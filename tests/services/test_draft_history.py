@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rollpacker.core.policies.buffered import BufferEntry, CachedSample
+from rollpacker.core.policies.entries import BufferEntry, CachedSample
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Completion, FinishReason, Group, Prompt
 

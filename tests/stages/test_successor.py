@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollpacker.core.config import config_from_text
-from rollpacker.core.policies.buffered import BufferEntry, buffer_to_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_to_json
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Role, RoundKind

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.core.errors import PolicyError, RollpackerError
-from rollpacker.core.policies.buffered import BufferEntry
+from rollpacker.core.policies.entries import BufferEntry
 from rollpacker.core.types import RoundKind
 
 SCHEMA_VERSION = 2

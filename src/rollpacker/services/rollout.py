@@ -52,7 +52,7 @@ from rollpacker.core.drafts import history_from_json, history_steps_kept, histor
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
-from rollpacker.core.policies.buffered import buffer_to_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_to_json
 from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
 from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.scaledown import LengthHistory
@@ -565,8 +565,7 @@ class RolloutService(Service, RolloutAPI):
         layout_metrics: dict[str, float],
     ) -> RoundReport:
         result = run.result
-        queue = getattr(policy, "queue", None)
-        buffer = getattr(policy, "buffer", None)
+        queue, buffer = policy.long_queue(), policy.rollout_buffer()
         switch_metrics, drift = self._layout_metrics()
         return RoundReport(
             step=step,
@@ -581,17 +580,17 @@ class RolloutService(Service, RolloutAPI):
                 (g.prompt.prompt_id, max(c.num_tokens for c in g.responses)) for g in result.groups
             ),
             next_cursor=policy.cursor.state,
-            next_queue=tuple(p.prompt_id for p in queue.snapshot()) if queue is not None else (),
+            next_queue=tuple(p.prompt_id for p in queue),
             # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it goes
             # to the store, and the commit copies it into the state document
             next_buffer_uri=self._put_buffer(step, attempt, buffer) if buffer else "",
             dropped=tuple(p.prompt_id for p in result.filtered),
             extra=tuple(p.prompt_id for p in result.extra_prompts),
             metrics={
-                **run.metrics.logged(len(queue) if queue is not None else 0),
+                **run.metrics.logged(len(queue)),
                 **self._dynamic_sampling_metrics(result),
-                "rollout/buffer_size": float(len(buffer or ())),
-                "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
+                "rollout/buffer_size": float(len(buffer)),
+                "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer)),
                 **layout_metrics,
                 **switch_metrics,
             },
@@ -610,7 +609,7 @@ class RolloutService(Service, RolloutAPI):
             "rollout/dropped_groups": float(len(result.filtered)),
         }
 
-    def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
+    def _put_buffer(self, step: int, attempt: str, buffer: Sequence[BufferEntry]) -> str:
         key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
         return self.store().put_bytes(key, buffer_to_json(buffer).encode(), "application/json")
 

@@ -13,7 +13,7 @@ import dataclasses
 
 from rollpacker.core.latency import Predictor, ProfileTable, best_layout
 from rollpacker.core.planner import replay
-from rollpacker.core.policies.buffered import BufferEntry, buffer_from_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_from_json
 from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.core.types import RoundKind
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
