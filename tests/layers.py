@@ -105,16 +105,9 @@ def scan(roots: Sequence[Path], base: Path | None = None) -> Graph:
     """Parse every ``.py`` under each root directory; a root's directory name is its package name.
     Paths in reports are relative to ``base`` when given."""
     graph = Graph(roots=tuple(r.name for r in roots))
-    files: list[tuple[str, Path, bool]] = []
-    for root in roots:
-        for f in sorted(root.rglob("*.py")):
-            rel = f.relative_to(root.parent).with_suffix("")
-            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-            name = ".".join(parts)
-            shown = str(f.relative_to(base)) if base is not None else str(f)
-            graph.modules[name] = shown
-            files.append((name, f, rel.name == "__init__"))
-    for name, f, is_pkg in files:
+    files = list(python_files(roots, base))
+    graph.modules.update((name, shown) for name, _, shown, _ in files)
+    for name, f, _, is_pkg in files:
         tree = ast.parse(f.read_text(encoding="utf-8"), filename=str(f))
         for target, line in _imports_of(tree, name, is_pkg, graph.modules):
             if target.split(".")[0] in graph.roots:
@@ -122,6 +115,17 @@ def scan(roots: Sequence[Path], base: Path | None = None) -> Graph:
                     Import(name, _known_prefix(target, graph.modules), graph.modules[name], line)
                 )
     return graph
+
+
+def python_files(roots: Sequence[Path], base: Path | None = None) -> Iterator[tuple[str, Path, str, bool]]:
+    """(module name, file, path shown in reports, is a package ``__init__``) of every ``.py`` under
+    each root, in order; a root's directory name is its package name."""
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root.parent).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            shown = str(f.relative_to(base)) if base is not None else str(f)
+            yield ".".join(parts), f, shown, rel.name == "__init__"
 
 
 def _imports_of(

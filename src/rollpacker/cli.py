@@ -36,6 +36,7 @@ from typing import Annotated
 import typer
 
 from rollpacker.core.errors import RollpackerError, RunExistsError
+from rollpacker.core.types import Runner
 
 app = typer.Typer(
     help="rollpacker: tail batching and friends for synchronous on-policy RL post-training.",
@@ -929,12 +930,12 @@ def run_cmd(
         str, typer.Option(help="Experiment YAML (arms, store, services, task, ...); NAME: shipped.")
     ] = "experiment",
     runner: Annotated[
-        str,
+        Runner,
         typer.Option(
             help="`kfp`: each step a kfp.local pipeline run, services in Ray; `inline`: "
             "the same stages in this process (quick debugging)."
         ),
-    ] = "kfp",
+    ] = Runner.KFP,
     arm: Annotated[
         list[str] | None, typer.Option(help="Run only this arm (repeatable).", show_default="every arm")
     ] = None,

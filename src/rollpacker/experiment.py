@@ -49,6 +49,7 @@ from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.core.tasks import RewardKind
+from rollpacker.core.types import Runner, ServicesMode, parse_enum
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.rewards.factory import judge_model_dir
@@ -104,14 +105,15 @@ def ray_address(cfg: ExperimentConfig) -> str:
     return addr
 
 
-def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = (), address: str = "") -> None:
+def preflight(cfg: ExperimentConfig, runner: Runner, arms: Sequence[str] = (), address: str = "") -> None:
     """Fail before any step when a store, MLflow or Ray setting is wrong, or when the Ray cluster's
     GPUs cannot hold the arms' services (one arm at a time: this runner runs the arms one after
     another whatever ``services.arms`` says, which holds whatever ``disjoint`` holds); ``address``:
     the Ray cluster (default: ``ray_address(cfg)``)."""
+    runner = parse_enum(Runner, runner, "--runner")
     open_store(cfg.store).check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
-    if runner == "kfp":
+    if runner is Runner.KFP:
         connect_ray(address or ray_address(cfg), cfg.services.namespace)
         arms = list(arms or cfg.arm_names)
         if any(arm_gpus(cfg, a).total for a in arms):
@@ -121,7 +123,7 @@ def preflight(cfg: ExperimentConfig, runner: str, arms: Sequence[str] = (), addr
 
 def run_experiment(
     config_path: Path,
-    runner: str = "kfp",
+    runner: Runner = Runner.KFP,
     arms: Sequence[str] | None = None,
     retries: int = 1,
     pipeline_root: Path = Path("build/kfp"),
@@ -131,8 +133,7 @@ def run_experiment(
 ) -> ExperimentOutcome:
     err = console()  # bound now: kfp.local's run redirects sys.stderr into its log
     say = echo or (lambda s: print(s, file=err, flush=True))
-    if runner not in ("kfp", "inline"):
-        raise ConfigError(f"--runner {runner!r}: use 'kfp' (kfp.local) or 'inline' (one process)")
+    runner = parse_enum(Runner, runner, "--runner")  # kfp (kfp.local) or inline (one process)
     config_path = resolve_config(config_path)
     cfg = load_config(config_path)
     text = config_path.read_text()
@@ -145,7 +146,7 @@ def run_experiment(
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
     try:
-        address = ray_address(cfg) if runner == "kfp" else ""
+        address = ray_address(cfg) if runner is Runner.KFP else ""
         preflight(cfg, runner, chosen, address)
         if fresh:
             reset_arms(cfg, chosen, say)
@@ -158,7 +159,7 @@ def run_experiment(
         return out
     finally:
         _disconnect_ray()
-        if runner == "inline":
+        if runner is Runner.INLINE:
             ServiceRegistry.close_inline()
         if started is not None:
             devservices.down(started.root, names=started.started)
@@ -169,7 +170,7 @@ def _run_arm(
     cfg: ExperimentConfig,
     text: str,
     arm: str,
-    runner: str,
+    runner: Runner,
     retries: int,
     root: Path,
     say: Callable[[str], None],
@@ -178,8 +179,7 @@ def _run_arm(
     t0 = time.perf_counter()
     failures = 0
     ran = 0
-    mode = "ray" if runner == "kfp" else "inline"
-    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, mode, address))
+    registry = ServiceRegistry(RegistrySpec.of(text, cfg, arm, runner.services_mode, address))
     try:
         while True:
             done, left = remaining_steps(cfg, arm)
@@ -191,12 +191,12 @@ def _run_arm(
             if done < 0:  # the model preparation: before the arm's first step, with its own bar
                 prepare_models(arm_config(text, arm), open_store(cfg.store), arm, say=say)
             try:
-                if runner == "kfp":
+                if runner is Runner.KFP:
                     # the KFP tasks are this process's children: they find Ray through $RAY_ADDRESS
                     with environ_set({"RAY_ADDRESS": address} if address else {}):
                         run_arm_kfp(text, arm, left, root, echo=say)
                 else:
-                    ctx = StageContext.create(text, arm, "inline")
+                    ctx = StageContext.create(text, arm, ServicesMode.INLINE)
                     for _ in range(left):
                         out = run_step(ctx)
                         say(f"[{arm}] {_brief(out.metrics)}")
@@ -363,7 +363,7 @@ def train_arm(
     done, left = remaining_steps(cfg, arm)
     if done < 0:  # the model preparation, before the first step: the warm-up's own bar
         prepare_models(cfg, store, arm, quiet=not progress, say=say)
-    ctx = StageContext.create(text, arm, "inline")
+    ctx = StageContext.create(text, arm, ServicesMode.INLINE)
     bar = tqdm(
         total=cfg.steps, initial=done + 1, desc=f"RL {arm}", unit="step", disable=not progress, file=console()
     )

@@ -17,7 +17,7 @@ from rollpacker.bench.replay import replay_sampling
 from rollpacker.core.config import PartialConfig, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.metrics import policy_lag
-from rollpacker.core.policies.buffered import BufferEntry, CachedSample, buffer_from_state
+from rollpacker.core.policies.entries import BufferEntry, CachedSample, buffer_from_state
 from rollpacker.core.policies.partial import PartialPolicy, drop_stale, scheduling_priority
 from rollpacker.core.policies.sorted import SortedPolicy
 from rollpacker.core.prompts import PromptCursor
@@ -324,7 +324,7 @@ def test_groups_complete_from_the_cache_reach_the_stream_even_without_an_engine_
 
 
 def test_the_stored_buffer_round_trips_and_a_foreign_document_is_refused() -> None:
-    from rollpacker.core.policies.buffered import buffer_from_json, buffer_to_json
+    from rollpacker.core.policies.entries import buffer_from_json, buffer_to_json
 
     entries = (BufferEntry("p1", 2, (_sample(0, 3, 1, False), _sample(1, 2, 2, True))), BufferEntry("p2", 3))
     assert buffer_from_json(buffer_to_json(entries), "s3://b/buf.json") == entries

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpacker.core.policies.buffered import BufferEntry, CachedSample
+from rollpacker.core.policies.entries import BufferEntry, CachedSample
 from rollpacker.core.state import SCHEMA_VERSION, ControllerState, StateError, TPPlan
 
 names = st.text(min_size=1, max_size=12)

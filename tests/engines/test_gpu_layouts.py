@@ -22,7 +22,7 @@ from rollpacker.core.config import EngineConfig
 from rollpacker.core.errors import ConfigError, EngineError, RollpackerError
 from rollpacker.core.latency import Layout
 from rollpacker.core.state import TPPlan
-from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
+from rollpacker.core.types import GenerationRequest, Prompt, RoundKind, SamplingSpec
 from rollpacker.engines.fake import FakeEngine
 from rollpacker.engines.layout import EnginePool, SwitchingEngine, node_devices, resident_layouts
 from rollpacker.engines.vllm_engine import engine_args
@@ -233,7 +233,7 @@ def test_the_cluster_config_runs_the_planned_tp_on_every_rollout_gpu(cuda: FakeC
         assert isinstance(svc.engine, SwitchingEngine)
         assert sorted(g for s in _live(cuda) for g in s["gpus"]) == sorted(RAY_GPUS.split(","))
         state = dataclasses.replace(start_state("c", "tail_batching", "s3://b/ckpt"), tp_plan=TPPlan(4, 2))
-        m = svc._prepare_layout(state, "short")
+        m = svc._prepare_layout(state, RoundKind.SHORT)
         assert m == {"rollout/tp": 4.0, "rollout/dp": 2.0}
         for s in _live(cuda):  # started on demand, and warmed before it serves (as the pool's first)
             assert any(rid.startswith("warm/tp4dp2/") for rid in s["engine"]._all_ids)
@@ -246,7 +246,7 @@ def test_the_cluster_config_runs_the_planned_tp_on_every_rollout_gpu(cuda: FakeC
             for i in range(6)
         ]
         assert len(generate(svc.engine, reqs)) == 6, "the TP-4 layout serves the round"
-        svc._prepare_layout(state, "long")
+        svc._prepare_layout(state, RoundKind.LONG)
         assert [s["tp"] for s in _live(cuda)] == [2] * 4, "long rounds keep their own TP"
     finally:
         svc.close()

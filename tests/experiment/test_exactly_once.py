@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.policies.buffered import BufferEntry
+from rollpacker.core.policies.entries import BufferEntry
 from rollpacker.core.state import ControllerState
 from rollpacker.experiment import exactly_once
 from rollpacker.stages.messages import GroupsLog

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from rollpacker.core.policies.buffered import BufferEntry, CachedSample
+from rollpacker.core.policies.entries import BufferEntry, CachedSample
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Completion, FinishReason, Group, Prompt
 
@@ -85,3 +85,35 @@ def test_nothing_is_kept_with_speculation_off_and_the_partial_cache_is_offered(t
     state = ControllerState("dh", "tail_batching", 0, 0, 0, 0, partial_cache=cache)
     svc._remember_cached(state)
     assert svc.engine.got == {"q": [[7, 8, 9]]}
+
+
+def test_an_engine_without_draft_memory_is_offered_nothing(tmp_path: Path) -> None:
+    """Draft memory is a capability (``engines.base.DraftMemory``) checked with ``isinstance``: an
+    engine of the port without it (the fake) is skipped, with a history in the store or not."""
+    from rollpacker.engines.base import DraftMemory, PrefixCache, RequestList, RolloutEngine
+    from rollpacker.engines.fake import FakeEngine
+    from rollpacker.engines.layout import forget_cached
+
+    writer = _service(tmp_path)
+    writer._persist_drafts(0, [_group("p0", 0)])
+    svc = _service(tmp_path)
+    svc.engine = fake = FakeEngine()
+    assert isinstance(fake, RolloutEngine) and not isinstance(fake, DraftMemory | PrefixCache | RequestList)
+    assert isinstance(_Recorder(), DraftMemory)
+    sample = CachedSample(sample_index=0, token_ids=(1,), logprobs=(0.0,), versions=(0,))
+    state = ControllerState(
+        "dh", "tail_batching", 0, 0, 0, 0, partial_cache=(BufferEntry("q", 0, (sample,)),)
+    )
+    svc._restore_drafts()  # neither raises nor calls anything on the fake
+    svc._remember_cached(state)
+    forget_cached(fake)  # no prefix cache: nothing to do
+
+    class _Cached:
+        forgot = 0
+
+        def forget_cached(self) -> None:
+            self.forgot += 1
+
+    cached = _Cached()
+    forget_cached(cached)
+    assert cached.forgot == 1

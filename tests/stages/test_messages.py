@@ -37,6 +37,8 @@ def _rollout() -> RolloutOutput:
         next_queue=("p3",),
         next_buffer_uri="",
         metrics={"rollout/time_s": 1.5, "rollout/preemptions": 0.0},
+        preemptions=0,
+        decode_drift=0.0,
         end_wall=1.0e9,
     )
     begin = api.RewardBegin(0.1, ("math", "code"))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from rollpacker.core.config import config_from_text
-from rollpacker.core.policies.buffered import BufferEntry, buffer_to_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_to_json
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.state import ControllerState
+from rollpacker.core.types import Role, RoundKind
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.successor import step_metrics, successor
@@ -20,21 +21,24 @@ def _ctx(tmp_path) -> StageContext:
     return StageContext(text, "tail_batching", cfg, store, StateStore(store, "e", "tail_batching"), None)  # type: ignore[arg-type]
 
 
-def _round(buffer_uri: str = "") -> RoundReport:
+def _round(buffer_uri: str = "", drift: float = 0.0) -> RoundReport:
     return RoundReport(
         step=0,
         attempt="a",
-        round_kind="short",
+        round_kind=RoundKind.SHORT,
         trained=("p1", "p2"),
         deferred=("p3",),
         from_queue=(),
-        groups_by_role={"reward": ("p1", "p2")},
+        groups_by_role={Role.REWARD: ("p1", "p2")},
         lengths=(4, 9, 5, 6),
         longest=(("p1", 9), ("p2", 6)),
         next_cursor=CursorState(7, 0, 3),
         next_queue=("p3",),
         next_buffer_uri=buffer_uri,
-        metrics={"rollout/preemptions": 2.0, "rollout/time_s": 1.0},
+        # the commit decides on the typed fields, never on the logged names
+        metrics={"rollout/preemptions": 99.0, "planner/drift": 9.0, "rollout/time_s": 1.0},
+        preemptions=2,
+        decode_drift=drift,
     )
 
 
@@ -43,9 +47,9 @@ def test_the_successor_carries_every_report_into_the_state(tmp_path) -> None:
     state = ControllerState("e", "tail_batching", -1, 7, 0, 0, timeout_anchors=(("old", 1.0),))
     entry = BufferEntry("p9", 0)
     uri = ctx.store.put_bytes("e/tail_batching/buffers/b.json", buffer_to_json([entry]).encode())
-    drain = DrainReport("reward", 0.1, 2, samples=4, reward_sum=3.0, timeout_anchors=(("case", 0.5),))
+    drain = DrainReport(Role.REWARD, 0.1, 2, samples=4, reward_sum=3.0, timeout_anchors=(("case", 0.5),))
     train = TrainReport("file:///ck/", 1, 4, "", {"train/loss": 0.1})
-    new = successor(ctx, state, _round(uri), drain, train, "", 0.3)
+    new = successor(ctx, state, _round(uri, drift=0.3), drain, train, "")
     assert (new.step, new.cursor_seed, new.cursor_position, new.long_queue) == (0, 7, 3, ("p3",))
     assert new.timeout_anchors == (("case", 0.5),)  # the sandbox's anchors after the step
     assert new.partial_cache == (entry,)
@@ -58,13 +62,17 @@ def test_the_successor_carries_every_report_into_the_state(tmp_path) -> None:
         2,
     )
     assert new.profile_drift == 0.3
-    kept = successor(ctx, state, _round(), None, train, "", 0.0)  # no reward drain: anchors kept
+    kept = successor(ctx, state, _round(), None, train, "")  # no reward drain: anchors kept
     assert kept.timeout_anchors == (("old", 1.0),) and kept.partial_cache == ()
 
 
 def test_step_metrics_merge_the_reports() -> None:
-    rw = DrainReport("reward", 0.5, 2, samples=4, reward_sum=3.0, metrics={"reward/tail_s": 0.2})
-    jd = DrainReport("judge", 0.25, 1, samples=4, reward_sum=1.0, metrics={"judge/tail_s": 0.7})
+    rw = DrainReport(
+        Role.REWARD, 0.5, 2, samples=4, reward_sum=3.0, metrics={"reward/tail_s": 0.2}, tail_s=0.2
+    )
+    jd = DrainReport(
+        Role.JUDGE, 0.25, 1, samples=4, reward_sum=1.0, metrics={"judge/tail_s": 9.0}, tail_s=0.7
+    )
     m = step_metrics(_round(), rw, jd, TrainReport("u", 1, 8, "", {"train/loss": 0.1}))
     assert m["reward/mean"] == 0.5 and m["reward/tail_s"] == 0.7 and m["reward/drain_s"] == 0.75
     assert m["train/samples"] == 8.0 and m["rollout/time_s"] == 1.0
@@ -77,12 +85,10 @@ def test_a_step_between_checkpoints_names_the_last_stored_one(tmp_path) -> None:
     s = ControllerState("e", "tail_batching", -1, 7, 0, 0, checkpoint_uri="file:///base/")
     chain = []
     for i, stored in enumerate((False, False, True, False)):
-        s = successor(
-            ctx, s, _round(), None, TrainReport(f"file:///ck{i}/", i + 1, 4, stored=stored), "", 0.0
-        )
+        s = successor(ctx, s, _round(), None, TrainReport(f"file:///ck{i}/", i + 1, 4, stored=stored), "")
         chain.append(s.rollback_step)
     assert chain == [-1, -1, None, 2]
-    same = successor(ctx, s, _round(), None, TrainReport(s.checkpoint_uri, s.policy_version, 0), "", 0.0)
+    same = successor(ctx, s, _round(), None, TrainReport(s.checkpoint_uri, s.policy_version, 0), "")
     assert same.rollback_step == 2
 
 

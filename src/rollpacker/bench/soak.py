@@ -295,6 +295,7 @@ def run_soak(
     """Run ``steps`` fresh steps and sample after each (see the module docstring)."""
     from rollpacker.core.config import config_from_text
     from rollpacker.core.errors import ConfigError
+    from rollpacker.core.types import ServicesMode
     from rollpacker.experiment import reset_arms
     from rollpacker.services.registry import ServiceRegistry
     from rollpacker.stages.context import StageContext
@@ -319,7 +320,7 @@ def run_soak(
         from rollpacker.devservices import local_ray_address
 
         ray_address = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
-    ctx = StageContext.create(text, arm, services, ray_address=ray_address)  # the registry gets it
+    ctx = StageContext.create(text, arm, ServicesMode(services), ray_address=ray_address)  # the registry gets it
     ctx.store.check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     reset_arms(cfg, [arm], say)  # a soak always starts from step 0

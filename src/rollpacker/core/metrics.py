@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from rollpacker.core.types import EngineStepStats, RoundResult
+from rollpacker.core.types import EngineStepStats, RoundKind, RoundResult
 
 
 def bubble_ratio(steps: Sequence[EngineStepStats], total_time_s: float, concurrency: int) -> float:
@@ -60,7 +60,7 @@ class RolloutMetrics:
     """One step's rollout, in the names it is logged under (``rollout/<name>``)."""
 
     step: int
-    round_kind: str
+    round_kind: RoundKind
     time_s: float
     engine_steps: int
     groups: int
@@ -107,7 +107,7 @@ class RolloutMetrics:
             "rollout/tokens_trained": float(self.tokens_trained),
             "rollout/aborted": float(self.aborted_requests),
             "rollout/preemptions": float(self.preemptions),
-            "rollout/round_kind": float(ROUND_CODE.get(self.round_kind, -1)),
+            "rollout/round_kind": float(ROUND_CODE[self.round_kind]),
             "rollout/long_queue_size": float(long_queue_size),
             "rollout/tokens_cached": float(self.tokens_cached),
             "rollout/policy_lag": self.policy_lag,
@@ -152,7 +152,14 @@ def throughput(generated: int, trained: int, wasted: int, time_s: float, steps: 
     )
 
 
-ROUND_CODE = {"standard": 0, "short": 1, "long": 2, "sorted": 3, "partial": 4}
+# the round kind as a number MLflow can plot (one per kind: a new kind gets the next number)
+ROUND_CODE: dict[RoundKind, int] = {
+    RoundKind.STANDARD: 0,
+    RoundKind.SHORT: 1,
+    RoundKind.LONG: 2,
+    RoundKind.SORTED: 3,
+    RoundKind.PARTIAL: 4,
+}
 
 
 @dataclass(frozen=True)
@@ -216,7 +223,7 @@ def rollout_metrics(
     lag = policy_lag(versions, train_version)
     return RolloutMetrics(
         step=result.plan.step,
-        round_kind=result.plan.round_kind.value,
+        round_kind=result.plan.round_kind,
         time_s=time_s,
         engine_steps=len(steps),
         groups=len(result.groups),

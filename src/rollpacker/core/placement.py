@@ -29,15 +29,16 @@ from dataclasses import dataclass
 
 from rollpacker.core.config import ArmSchedule, ExperimentConfig, MegatronConfig
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.types import Role
 
 GPU_GROUPS = ("rollout", "training", "judge")
 # the worker group each service role's actor runs in (its custom resource rollpacker_<group>)
-ROLE_GROUP = {
-    "rollout": "rollout",
-    "trainer": "training",
-    "judge": "judge",
-    "reward": "sandbox",
-    "tracking": "sandbox",  # a CPU worker: an MLflow client and nothing else
+ROLE_GROUP: dict[Role, str] = {
+    Role.ROLLOUT: "rollout",
+    Role.TRAINER: "training",
+    Role.JUDGE: "judge",
+    Role.REWARD: "sandbox",
+    Role.TRACKING: "sandbox",  # a CPU worker: an MLflow client and nothing else
 }
 ONE_POOL = "cluster"  # services.role_resources: false: every node is one pool
 
@@ -57,9 +58,9 @@ class ArmGpus:
     gang: int  # the megatron ranks' placement-group bundles (training group)
     gang_detail: str = ""  # how ``gang`` was counted, for messages
 
-    def actor_gpus(self, role: str) -> int:
+    def actor_gpus(self, role: Role) -> int:
         """``num_gpus`` of ``role``'s service actor."""
-        return {"rollout": self.rollout, "judge": self.judge, "trainer": self.trainer}.get(role, 0)
+        return {Role.ROLLOUT: self.rollout, Role.JUDGE: self.judge, Role.TRAINER: self.trainer}.get(role, 0)
 
     def by_group(self) -> dict[str, int]:
         return {"rollout": self.rollout, "training": self.trainer + self.gang, "judge": self.judge}
@@ -179,7 +180,7 @@ def plan_placement(
         if asked > have.gpus:
             raise PlacementError(_refusal(cfg, pool, demands, per_arm, asked, have.gpus, source))
     for d in demands:  # one actor's GPUs are one node's
-        for role in ("rollout", "judge", "trainer"):
+        for role in (Role.ROLLOUT, Role.JUDGE, Role.TRAINER):
             n = d.actor_gpus(role)
             pool = ROLE_GROUP[role] if role_resources else ONE_POOL
             largest = capacity.get(pool, GroupCapacity(0.0, 0.0)).largest_node
@@ -202,12 +203,12 @@ def _check_gang_group(cfg: ExperimentConfig, d: ArmGpus) -> None:
         )
 
 
-def _what_to_lower(role: str) -> str:
+def _what_to_lower(role: Role) -> str:
     return {
-        "rollout": "lower planner.devices (or engine.tensor_parallel_size without layouts)",
-        "judge": "give the judge group's pods a GPU (rayStartParams num-gpus) or set "
+        Role.ROLLOUT: "lower planner.devices (or engine.tensor_parallel_size without layouts)",
+        Role.JUDGE: "give the judge group's pods a GPU (rayStartParams num-gpus) or set "
         "reward.judge.device: cpu",
-        "trainer": "give the training group's pods a GPU or set train.device: cpu",
+        Role.TRAINER: "give the training group's pods a GPU or set train.device: cpu",
     }[role]
 
 

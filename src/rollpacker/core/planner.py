@@ -28,8 +28,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.types import RoundKind
 
-KINDS = ("short", "long")
+KINDS = (RoundKind.SHORT, RoundKind.LONG)
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,13 @@ class PlannerState:
     short: KindPlan
     long: KindPlan
 
-    def tp_for(self, kind: str) -> int:
+    def tp_for(self, kind: RoundKind) -> int:
         return self._kind(kind).tp
 
-    def _kind(self, kind: str) -> KindPlan:
-        if kind == "short":
+    def _kind(self, kind: RoundKind) -> KindPlan:
+        if kind == RoundKind.SHORT:
             return self.short
-        if kind == "long":
+        if kind == RoundKind.LONG:
             return self.long
         raise ConfigError(f"round kind {kind!r}: the planner keeps TP for {', '.join(KINDS)}")
 
@@ -117,7 +118,7 @@ def initial(cfg: PlannerConfig) -> PlannerState:
     return PlannerState(KindPlan(cfg.initial_tp), KindPlan(cfg.initial_tp))
 
 
-def observe(cfg: PlannerConfig, state: PlannerState, kind: str, preemptions: int) -> PlannerState:
+def observe(cfg: PlannerConfig, state: PlannerState, kind: RoundKind, preemptions: int) -> PlannerState:
     """The state after a step of ``kind`` that saw ``preemptions`` KV-cache preemptions."""
     if isinstance(preemptions, bool) or not isinstance(preemptions, int) or preemptions < 0:
         raise ConfigError(f"preemptions = {preemptions!r}: must be a count >= 0")
@@ -133,13 +134,13 @@ def observe(cfg: PlannerConfig, state: PlannerState, kind: str, preemptions: int
     else:
         calm = 0
     new = KindPlan(tp=tp, last_preemptions=preemptions, calm=calm)
-    return dataclasses.replace(state, **{kind: new})
+    return dataclasses.replace(state, **{RoundKind(kind).value: new})
 
 
-def replay(cfg: PlannerConfig, history: Iterable[tuple[str, int]]) -> PlannerState:
+def replay(cfg: PlannerConfig, history: Iterable[tuple[RoundKind, int]]) -> PlannerState:
     """The planner's state after the (round kind, preemptions) steps of ``history``; rounds of any
     other kind (a sync policy's standard rounds count as short) are planned as short rounds."""
     state = initial(cfg)
     for kind, preemptions in history:
-        state = observe(cfg, state, kind if kind in KINDS else "short", preemptions)
+        state = observe(cfg, state, kind if kind in KINDS else RoundKind.SHORT, preemptions)
     return state

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollpacker.core.errors import PolicyError, RollpackerError
-from rollpacker.core.policies.buffered import BufferEntry
+from rollpacker.core.policies.entries import BufferEntry
+from rollpacker.core.types import RoundKind
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: timeout_anchors was AdaptiveTimeout.to_json() text
@@ -43,7 +44,7 @@ class TPPlan:
     short_tp: int = 1
     long_tp: int = 1
     preemption_history: tuple[int, ...] = ()  # KV-cache preemptions per committed step
-    round_kinds: tuple[str, ...] = ()  # the round kind of each of those steps
+    round_kinds: tuple[RoundKind, ...] = ()  # the round kind of each of those steps
     initial_tp: int = 0  # where the replay starts: the profiled best TP (0 = planner.initial_tp)
 
     def __post_init__(self) -> None:
@@ -54,7 +55,7 @@ class TPPlan:
             )
 
     @property
-    def history(self) -> tuple[tuple[str, int], ...]:
+    def history(self) -> tuple[tuple[RoundKind, int], ...]:
         return tuple(zip(self.round_kinds, self.preemption_history, strict=True))
 
 
@@ -132,7 +133,7 @@ class ControllerState:
                 short_tp=_int(tp, "short_tp", where),
                 long_tp=_int(tp, "long_tp", where),
                 preemption_history=tuple(int(x) for x in tp.get("preemption_history", ())),
-                round_kinds=tuple(str(x) for x in tp.get("round_kinds", ())),
+                round_kinds=_round_kinds(tp.get("round_kinds", ())),
                 initial_tp=int(tp.get("initial_tp", 0)),
             )
             kw["profile_drift"] = float(data.get("profile_drift", 0.0))
@@ -169,6 +170,18 @@ class ControllerState:
     def successor(self, **changes: Any) -> ControllerState:
         """The state after the next step: ``step`` advanced by one and ``changes`` applied."""
         return dataclasses.replace(self, step=self.step + 1, **changes)
+
+
+def _round_kinds(data: Any) -> tuple[RoundKind, ...]:
+    """``tp_plan.round_kinds``: each one a known round kind, or a ``StateError`` naming it."""
+    out = []
+    for i, x in enumerate(data):
+        try:
+            out.append(RoundKind(x))
+        except ValueError:
+            known = ", ".join(repr(k.value) for k in RoundKind)
+            raise StateError(f"field 'tp_plan.round_kinds[{i}]' = {x!r}: not one of {known}") from None
+    return tuple(out)
 
 
 def _int(d: Any, key: str, where: str) -> int:

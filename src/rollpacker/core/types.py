@@ -14,16 +14,68 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from rollpacker.core.errors import ConfigError
 
 
-class RoundKind(enum.Enum):
-    """What kind of rollout a step runs."""
+class RoundKind(enum.StrEnum):
+    """What kind of rollout a step runs (a ``str`` enum: its JSON and its metric tags are the value)."""
 
     STANDARD = "standard"  # synchronous baseline: P0 prompts x R0 responses, wait for all
     SHORT = "short"  # tail batching with speculation (abort the tail)
     LONG = "long"  # tail batching long round: P0 queued prompts, no speculation
     SORTED = "sorted"  # SortedRL: the buffered group oversubscribed, early termination at P0 groups
     PARTIAL = "partial"  # partial rollout: cached partial samples resumed, supplemented, interrupted
+
+
+class Role(enum.StrEnum):
+    """A service of an experiment arm (its actor is ``<experiment>.<arm>.<role>``)."""
+
+    ROLLOUT = "rollout"
+    REWARD = "reward"  # rule and sandbox rewards
+    JUDGE = "judge"  # the LLM judge
+    TRAINER = "trainer"
+    TRACKING = "tracking"  # the arm's MLflow run
+
+    @property
+    def is_reward(self) -> bool:
+        """True for the two reward services (``reward`` and ``judge``)."""
+        return self in (Role.REWARD, Role.JUDGE)
+
+
+class ServicesMode(enum.StrEnum):
+    """Where an arm's services live: named Ray actors, or objects in this process."""
+
+    RAY = "ray"
+    INLINE = "inline"
+
+
+class Runner(enum.StrEnum):
+    """How ``rollpacker run`` sequences the stages: ``kfp.local`` tasks, or one process."""
+
+    KFP = "kfp"
+    INLINE = "inline"
+
+    @property
+    def services_mode(self) -> ServicesMode:
+        """The services this runner's stages reach: Ray actors for KFP tasks, objects inline."""
+        return ServicesMode.RAY if self is Runner.KFP else ServicesMode.INLINE
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_enum(cls: type[E], value: object, what: str) -> E:
+    """``value`` as a member of ``cls`` (a member passes as is); a bad value raises a ``ConfigError``
+    that names ``what`` (the option, field or argument) and the allowed values."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"{what} = {value!r}: not one of {allowed}") from None
 
 
 class FinishReason(enum.Enum):

@@ -14,11 +14,15 @@ Contract:
 - ``num_preemptions`` is a non-decreasing counter since start;
 - ``load_weights`` replaces the served weights in place (no restart); later tokens come from them;
 - ``now()`` is the clock that step stats are stamped with (wall time for vLLM, virtual for fakes).
+
+Capabilities some engines add, each a small Protocol a caller checks with ``isinstance`` (never by
+attribute name): ``DraftMemory`` (drafts from earlier responses), ``PrefixCache`` (a prefix cache
+that can be emptied), ``RequestList`` (the ids of the requests still running).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rollpacker.core.types import EngineStepStats, GenerationRequest, RequestUpdate
@@ -64,3 +68,27 @@ class RolloutEngine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class DraftMemory(Protocol):
+    """An engine that drafts speculative tokens from responses it is given (``engine.speculation``'s
+    ``history`` source: ``VLLMEngine``). ``remember_drafts`` takes prompt id -> the token ids of
+    earlier responses to it and returns how many prompts it kept (0 when it drafts from none)."""
+
+    def remember_drafts(self, history: Mapping[str, Sequence[Sequence[int]]]) -> int: ...
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """An engine with a prefix cache (vLLM): ``forget_cached`` empties it, so the next requests meet
+    the engine as a first attempt's did."""
+
+    def forget_cached(self) -> None: ...
+
+
+@runtime_checkable
+class RequestList(Protocol):
+    """An engine that lists the ids of its requests still running (added, neither finished nor aborted)."""
+
+    def live_request_ids(self) -> list[str]: ...

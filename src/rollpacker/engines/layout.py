@@ -76,6 +76,7 @@ from rollpacker.core.scaledown import (
     ScaleDownOutcome,
 )
 from rollpacker.core.types import EngineStepStats, GenerationRequest, Prompt, RequestUpdate, SamplingSpec
+from rollpacker.engines.base import PrefixCache
 from rollpacker.engines.gpus import check_gpu_shares, engine_device, gpu_memory, visible_gpus
 
 log = logging.getLogger(__name__)
@@ -969,8 +970,7 @@ class ScaleDownRuntime:
         return out
 
 
-def forget_cached(engine: Any) -> None:
+def forget_cached(engine: object) -> None:
     """``engine.forget_cached()`` where the engine keeps a prefix cache (vLLM); nothing otherwise."""
-    forget = getattr(engine, "forget_cached", None)
-    if forget is not None:
-        forget()
+    if isinstance(engine, PrefixCache):
+        engine.forget_cached()

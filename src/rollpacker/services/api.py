@@ -40,7 +40,7 @@ from rollpacker.core.advantages import TrainSample
 from rollpacker.core.prompts import CursorState
 from rollpacker.core.serde import Message
 from rollpacker.core.state import ControllerState
-from rollpacker.core.types import Group
+from rollpacker.core.types import Group, Role, RoundKind
 from rollpacker.core.weight_sync import TransferGroup
 
 Anchors = tuple[tuple[str, float], ...]  # the sandbox's timeout anchors: (test case, seconds)
@@ -91,11 +91,11 @@ class RoundPlan(Message):
     """The round the arm's policy would run next (the plan stage reports it; the rollout stage
     plans it again from the same state, so both agree)."""
 
-    round_kind: str
+    round_kind: RoundKind
     prompts: tuple[str, ...]
     from_queue: tuple[str, ...]
     target_prompts: int
-    roles: tuple[str, ...]  # the reward services the task needs: "reward", "judge"
+    roles: tuple[Role, ...]  # the reward services the task needs: reward, judge
 
 
 @dataclass(frozen=True)
@@ -104,17 +104,21 @@ class RoundReport(Message):
 
     step: int
     attempt: str
-    round_kind: str
+    round_kind: RoundKind
     trained: tuple[str, ...]  # prompt ids of the groups the update trains
     deferred: tuple[str, ...]  # prompt ids left for later (queue or buffer)
     from_queue: tuple[str, ...]
-    groups_by_role: dict[str, tuple[str, ...]]  # reward role -> prompt ids it rewards
+    groups_by_role: dict[Role, tuple[str, ...]]  # reward role -> prompt ids it rewards
     lengths: tuple[int, ...]  # response lengths of the trained groups
     longest: tuple[tuple[str, int], ...]  # (prompt id, its longest trained response)
     next_cursor: CursorState
     next_queue: tuple[str, ...]
     next_buffer_uri: str  # the rollout buffer after the round, in the store ("" = none)
-    metrics: dict[str, float]
+    metrics: dict[str, float]  # what MLflow logs; the commit decides on the typed fields below
+    preemptions: int  # the engine's KV-cache preemptions in the round (the TP planner's input)
+    # |predicted - measured| / measured decode time of the round on the profile (0: no profile or
+    # no layouts): a re-profile is due when it passes planner.reprofile_margin
+    decode_drift: float
     end_wall: float = 0.0  # wall clock when the round ended (reward tails are measured from it)
     # DAPO's dynamic sampling: prompts whose groups had no reward variance (consumed: neither
     # trained nor queued), and the prompts drawn beyond the plan to replace them
@@ -172,12 +176,13 @@ class TrainerBegin(Message):
 class DrainReport(Message):
     """A reward service's account of one step."""
 
-    role: str
+    role: Role
     drain_s: float
     groups: int
     samples: int = 0
     reward_sum: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    tail_s: float = 0.0  # seconds from the round's end to the step's last reward (0: none scored)
     timeout_anchors: Anchors = ()  # the sandbox's anchors after the step (role "reward")
 
 
@@ -330,7 +335,7 @@ class Peers(Protocol):
 
     def rollout(self) -> RolloutAPI: ...
 
-    def reward(self, role: str) -> RewardAPI: ...
+    def reward(self, role: Role) -> RewardAPI: ...
 
     def trainer(self) -> TrainerAPI: ...
 
@@ -371,7 +376,7 @@ class CommittedStep(Message):
     run_id: str
     step: int  # the MLflow step (the RL step + 1: step 0 is the validation before any RL)
     metrics: dict[str, float]
-    round_kind: str
+    round_kind: RoundKind
     lengths: tuple[int, ...]
     state_uri: str
     state_step: int

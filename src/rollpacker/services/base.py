@@ -20,6 +20,7 @@ from typing import Any
 
 from rollpacker.core.config import StoreConfig, arm_config
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.types import Role, parse_enum
 from rollpacker.services.api import Collected, Peers
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
@@ -38,10 +39,10 @@ def config_digest(config_text: str) -> str:
 class Service:
     """The base of the Ray actors (and their in-process twins)."""
 
-    def __init__(self, config_text: str, arm: str, role: str) -> None:
+    def __init__(self, config_text: str, arm: str, role: Role) -> None:
         self.config_text = config_text
         self.arm = arm
-        self.role = role
+        self.role = parse_enum(Role, role, "service role")  # a Ray actor's argument may be plain text
         self.cfg = arm_config(config_text, arm)
         self._digest = config_digest(config_text)
         self._peers: Peers | None = None

@@ -47,7 +47,7 @@ from rollpacker.core.placement import (
     plan_placement,
 )
 from rollpacker.core.state import ControllerState
-from rollpacker.core.types import Group
+from rollpacker.core.types import Group, Role, ServicesMode, parse_enum
 from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.services.api import (
     Anchors,
@@ -85,13 +85,13 @@ from rollpacker.store.state_store import StateStore
 P = ParamSpec("P")
 R = TypeVar("R")
 
-ROLES = ("rollout", "reward", "judge", "trainer", "tracking")
-SERVICE_CLASS: dict[str, type[Service]] = {
-    "rollout": RolloutService,
-    "reward": RewardService,
-    "judge": RewardService,
-    "trainer": TrainerService,
-    "tracking": TrackingService,
+ROLES = tuple(Role)
+SERVICE_CLASS: dict[Role, type[Service]] = {
+    Role.ROLLOUT: RolloutService,
+    Role.REWARD: RewardService,
+    Role.JUDGE: RewardService,
+    Role.TRAINER: TrainerService,
+    Role.TRACKING: TrackingService,
 }
 # the RayCluster worker group (custom resource ``rollpacker_<group>``) each service role runs in
 ROLE_RESOURCE = {role: f"rollpacker_{group}" for role, group in ROLE_GROUP.items()}
@@ -225,7 +225,7 @@ class _RayHandle(Handle):
 
 
 @functools.cache
-def _remote_class(role: str) -> Any:
+def _remote_class(role: Role) -> Any:
     """The Ray actor class of ``role``'s service, made once per process: ``ray.remote`` builds a
     new subclass (tracing wrappers, docstrings) at every call and none is ever freed, and every
     service looks its peers up again each step (a reward service grew ~35 kB a step that way)."""
@@ -382,7 +382,7 @@ class RegistrySpec:
     config_text: str
     experiment: str
     arm: str
-    mode: str = "ray"  # "ray" or "inline"
+    mode: ServicesMode = ServicesMode.RAY
     ray_address: str = ""
     namespace: str = "rollpacker"
     call_timeout_s: float = 1800.0
@@ -403,12 +403,16 @@ class RegistrySpec:
     # (role, num_gpus) of the actors that use GPUs, and whether the arm uses any (its gang's
     # included): core/placement.py; the placement is checked against Ray's nodes before the first
     # actor starts
-    actor_gpus: tuple[tuple[str, int], ...] = ()
+    actor_gpus: tuple[tuple[Role, int], ...] = ()
     uses_gpus: bool = False
+
+    def __post_init__(self) -> None:
+        # the mode may come from the environment ($ROLLPACKER_SERVICES) or a pickled spec: refused by name
+        object.__setattr__(self, "mode", parse_enum(ServicesMode, self.mode, "services mode"))
 
     @classmethod
     def of(
-        cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: str, ray_address: str = ""
+        cls, config_text: str, cfg: ExperimentConfig, arm: str, mode: ServicesMode, ray_address: str = ""
     ) -> RegistrySpec:
         """``ray_address``: the Ray cluster the runner resolved (default ``services.ray_address``;
         both empty: ``$RAY_ADDRESS``, see ``connect_ray``)."""
@@ -435,34 +439,32 @@ class ServiceRegistry(Peers):
     _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="service-cast")
 
     def __init__(self, spec: RegistrySpec) -> None:
-        if spec.mode not in ("ray", "inline"):
-            raise ServiceError(f"services mode {spec.mode!r}: use 'ray' or 'inline'")
         self.spec = spec
         self.digest = config_digest(spec.config_text)
-        self._handles: dict[str, Handle] = {}
+        self._handles: dict[Role, Handle] = {}
         self.failures = CastFailures()
         self._placed = False
 
     def __reduce__(self) -> tuple[Any, ...]:  # into a Ray actor: the spec, not the live handles
         return (ServiceRegistry, (self.spec,))
 
-    def name(self, role: str) -> str:
+    def name(self, role: Role) -> str:
         return f"{self.spec.experiment}.{self.spec.arm}.{role}"
 
     def rollout(self) -> RolloutProxy:
-        return RolloutProxy(self._get("rollout"))
+        return RolloutProxy(self._get(Role.ROLLOUT))
 
-    def reward(self, role: str) -> RewardAPI:
-        if role not in ("reward", "judge"):
-            raise ServiceError(f"reward service role {role!r}: use 'reward' or 'judge'")
+    def reward(self, role: Role) -> RewardAPI:
+        if not isinstance(role, Role) or not role.is_reward:
+            raise ServiceError(f"reward service role {role!r}: use Role.REWARD or Role.JUDGE")
         return RewardProxy(self._get(role))
 
     def trainer(self) -> TrainerProxy:
-        return TrainerProxy(self._get("trainer"))
+        return TrainerProxy(self._get(Role.TRAINER))
 
     def tracking(self) -> TrackingAPI:
         """The arm's MLflow run (the stages' only way to MLflow)."""
-        return TrackingProxy(self._get("tracking"))
+        return TrackingProxy(self._get(Role.TRACKING))
 
     def cast_failure(self, attempt: str) -> str | None:
         """The first fire-and-forget call of ``attempt`` made through this registry that failed."""
@@ -471,7 +473,7 @@ class ServiceRegistry(Peers):
     def refresh(self) -> None:
         self._handles.clear()
 
-    def _forget(self, role: str, handle: Handle) -> None:
+    def _forget(self, role: Role, handle: Handle) -> None:
         if self._handles.get(role) is handle:
             del self._handles[role]
 
@@ -479,7 +481,7 @@ class ServiceRegistry(Peers):
         """Leave the Ray cluster if this process joined it; the services go on. A KFP task calls it
         before it exits: leaving through Ray's exit hook took 0.92 s, an explicit shutdown and exit 0.41 s."""
         self._handles.clear()
-        if self.spec.mode != "ray":
+        if self.spec.mode is not ServicesMode.RAY:
             return
         import sys
 
@@ -487,15 +489,15 @@ class ServiceRegistry(Peers):
         if ray is not None and ray.is_initialized():
             ray.shutdown()
 
-    def _get(self, role: str) -> Handle:
+    def _get(self, role: Role) -> Handle:
         h = self._handles.get(role)
         if h is None:
-            h = self._inline_get(role) if self.spec.mode == "inline" else self._ray_get(role)
+            h = self._inline_get(role) if self.spec.mode is ServicesMode.INLINE else self._ray_get(role)
             self._handles[role] = h
         return h
 
     # -- inline -----------------------------------------------------------------------------------
-    def _inline_get(self, role: str) -> Handle:
+    def _inline_get(self, role: Role) -> Handle:
         name = self.name(role)
         with self._inline_lock:
             got = self._inline.get(name)
@@ -518,7 +520,7 @@ class ServiceRegistry(Peers):
             cls._inline.clear()
 
     # -- Ray --------------------------------------------------------------------------------------
-    def actor_options(self, role: str) -> dict[str, Any]:
+    def actor_options(self, role: Role) -> dict[str, Any]:
         """The ``.options()`` of ``role``'s Ray actor: its name, the worker group's resource with
         ``services.role_resources``, and ``num_gpus`` when it uses GPUs (core/placement.py)."""
         opts: dict[str, Any] = {
@@ -544,7 +546,7 @@ class ServiceRegistry(Peers):
         opts["runtime_env"] = {"env_vars": env}
         return opts
 
-    def _ray_get(self, role: str) -> Handle:
+    def _ray_get(self, role: Role) -> Handle:
         import ray
 
         connect_ray(self.spec.ray_address, self.spec.namespace)
@@ -618,7 +620,7 @@ class ServiceRegistry(Peers):
     def kill_all(self) -> None:
         """Stop this arm's services (end of an arm: frees the engine's memory for the next)."""
         self._handles.clear()
-        if self.spec.mode == "inline":
+        if self.spec.mode is ServicesMode.INLINE:
             with self._inline_lock:
                 for role in ROLES:
                     got = self._inline.pop(self.name(role), None)

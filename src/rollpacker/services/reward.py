@@ -42,7 +42,7 @@ from rollpacker.core.advantages import train_samples
 from rollpacker.core.errors import RewardError, TrainerError
 from rollpacker.core.tasks import RewardKind, TaskExample
 from rollpacker.core.timeout import AdaptiveTimeout
-from rollpacker.core.types import Group
+from rollpacker.core.types import Group, Role
 from rollpacker.rewards.base import RewardRequest, RewardResult, RewardRouter
 from rollpacker.rewards.code import CodeReward
 from rollpacker.rewards.factory import build_rewards
@@ -78,7 +78,7 @@ class _Attempt:
 
 
 class RewardService(Service, RewardAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "reward") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.REWARD) -> None:
         super().__init__(config_text, arm, role)
         if role not in ROLE_KINDS:
             raise RewardError(f"reward service role {role!r}: use 'reward' or 'judge'")
@@ -255,7 +255,8 @@ class RewardService(Service, RewardAPI):
                 )
             results, kinds, wasted = list(cur.results), list(cur.kinds), len(cur.early)
             trained = [r for r in cur.requests if r.sample_id in cur.grouped]
-        metrics = self._metrics(results, kinds, wasted, cur.last_done_wall - rollout_end_wall)
+        tail_s = max(0.0, cur.last_done_wall - rollout_end_wall) if results else 0.0
+        metrics = self._metrics(results, kinds, wasted, tail_s)
         if results:
             metrics.update(self._reference_metrics(cur.references))
         if trained:
@@ -267,7 +268,10 @@ class RewardService(Service, RewardAPI):
             samples=len(results),
             reward_sum=sum(r.reward for r in results),
             metrics=metrics,
-            timeout_anchors=tuple(sorted(self.timeouts.anchors().items())) if self.role == "reward" else (),
+            tail_s=tail_s,
+            timeout_anchors=tuple(sorted(self.timeouts.anchors().items()))
+            if self.role is Role.REWARD
+            else (),
         )
 
     def _metrics(
@@ -275,7 +279,7 @@ class RewardService(Service, RewardAPI):
     ) -> dict[str, float]:
         if not results:
             return {}
-        pre = "judge" if self.role == "judge" else "reward"
+        pre = "judge" if self.role is Role.JUDGE else "reward"
         rewards = [r.reward for r in results]
         lat = [r.elapsed_s for r in results]
         m = {

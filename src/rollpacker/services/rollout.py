@@ -48,18 +48,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollpacker.core.config import EngineConfig
 from rollpacker.core.drafts import history_from_json, history_steps_kept, history_to_json, worth_enabling
 from rollpacker.core.errors import RollpackerError
 from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
-from rollpacker.core.policies.buffered import buffer_to_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_to_json
 from rollpacker.core.policies.registry import PolicyInputs, build_policy, cursor_window
 from rollpacker.core.prompts import CursorState, PromptCursor
 from rollpacker.core.scaledown import LengthHistory
 from rollpacker.core.state import ControllerState
 from rollpacker.core.tasks import RewardKind
-from rollpacker.core.types import Completion, Group, SamplingSpec
+from rollpacker.core.types import (
+    Completion,
+    EngineStepStats,
+    Group,
+    Role,
+    RoundKind,
+    RoundResult,
+    SamplingSpec,
+)
 from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines.base import DraftMemory, RequestList, RolloutEngine
 from rollpacker.engines.gpus import engine_device
 from rollpacker.engines.layout import (
     EnginePool,
@@ -72,7 +82,7 @@ from rollpacker.engines.layout import (
 )
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check
 from rollpacker.engines.vllm_engine import VLLMEngine
-from rollpacker.rollout.driver import generate, run_round, sample_requests
+from rollpacker.rollout.driver import RoundRun, generate, run_round, sample_requests
 from rollpacker.services.api import (
     EngineSync,
     ProfileSummary,
@@ -97,15 +107,15 @@ class Superseded(RollpackerError):
     """A newer attempt of the step took the engine over."""
 
 
-def reward_role(kind: RewardKind) -> str:
+def reward_role(kind: RewardKind) -> Role:
     """The service that scores a reward kind: the judge LLM, or the rule/sandbox workers."""
-    return "judge" if kind is RewardKind.JUDGE else "reward"
+    return Role.JUDGE if kind is RewardKind.JUDGE else Role.REWARD
 
 
 class RolloutService(Service, RolloutAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "rollout") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.ROLLOUT) -> None:
         super().__init__(config_text, arm, role)
-        self.engine: Any = None
+        self.engine: RolloutEngine | None = None
         self.checkpoint_uri = ""
         self.policy_version = -1
         self.model_dir: Path | None = None
@@ -113,7 +123,7 @@ class RolloutService(Service, RolloutAPI):
         self._attempt = ""
         # rounds and validations run since the engine's weights (and its prefix cache) were loaded
         self._rounds_on_weights = 0
-        self._pred: Any = None
+        self._pred: Predictor | None = None
         self._pred_uri = ""
         self._wt_joined: tuple[int, int] | None = None  # (engine, port) in a weight-transfer group
         self._probes = 0  # weight-sync probes sampled (each request id is used once per engine)
@@ -186,7 +196,7 @@ class RolloutService(Service, RolloutAPI):
             log.warning("rollout service: closing the dead engine failed: %s", e)
         return True
 
-    def _engine_or_fail(self, call: str) -> Any:
+    def _engine_or_fail(self, call: str) -> RolloutEngine:
         if self.engine is None:
             raise RollpackerError(
                 f"rollout service: no engine for {call} (its engine died or was closed since the "
@@ -194,7 +204,7 @@ class RolloutService(Service, RolloutAPI):
             )
         return self.engine
 
-    def _start_layouts(self, ecfg: Any, first_tp: int = 0) -> Any:
+    def _start_layouts(self, ecfg: EngineConfig, first_tp: int = 0) -> SwitchingEngine:
         """The engines of every layout of ``planner.devices`` devices, behind a switching engine
         (the round's TP, from the state's TP plan, picks the layout; PAT may switch inside the
         round). The layout of ``first_tp`` (the state's short-round TP; 0: planner.initial_tp)
@@ -227,7 +237,7 @@ class RolloutService(Service, RolloutAPI):
             return None
         return [str(i) for i in ids] or None
 
-    def _predictor(self, profile_uri: str) -> Any:
+    def _predictor(self, profile_uri: str) -> Predictor | None:
         """The latency predictor of the state's profile (cached per URI), or None without one."""
 
         if not profile_uri:
@@ -239,14 +249,14 @@ class RolloutService(Service, RolloutAPI):
             self._pred_uri = profile_uri
         return self._pred
 
-    def _prepare_layout(self, state: ControllerState, round_kind: str) -> dict[str, float]:
+    def _prepare_layout(self, state: ControllerState, round_kind: RoundKind) -> dict[str, float]:
         """Put the round on the planned layout (short and long rounds keep their own TP)."""
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
             return {}
         pc = self.cfg.planner
-        tp = state.tp_plan.long_tp if round_kind == "long" else state.tp_plan.short_tp
+        tp = state.tp_plan.long_tp if round_kind is RoundKind.LONG else state.tp_plan.short_tp
         tp = max(pc.min_tp, min(tp, pc.max_tp, pc.devices))
         eng.set_layout(Layout(tp, pc.devices // tp))
         eng.predictor = self._predictor(state.profile_uri)
@@ -256,30 +266,32 @@ class RolloutService(Service, RolloutAPI):
         eng.record = True
         return {"rollout/tp": float(tp), "rollout/dp": float(pc.devices // tp)}
 
-    def _layout_metrics(self) -> dict[str, float]:
-        """Switches made in the round, and the predictor's view of its decode steps (the drift
-        that triggers a re-profile)."""
+    def _layout_metrics(self) -> tuple[dict[str, float], float]:
+        """Switches made in the round, and the predictor's view of its decode steps; with the
+        drift that triggers a re-profile (0.0 without a prediction)."""
 
         eng = self.engine
         if not isinstance(eng, SwitchingEngine):
-            return {}
+            return {}, 0.0
         eng.record = False
         out = {
             "rollout/switches": float(len(eng.events)),
             "rollout/switch_s": sum(e.seconds for e in eng.events),
             "rollout/tp_end": float(eng.current.tp),
         }
+        drift = 0.0
         if eng.predictor is not None and eng.trajectory:
             pred = sum(predict_step(eng.predictor, lay, st) for lay, st in eng.trajectory)
             meas = sum(st.seconds for _, st in eng.trajectory)
+            drift = abs(pred - meas) / meas if meas > 0 else 0.0
             out.update(
                 {
                     "planner/predicted_decode_s": pred,
                     "planner/measured_decode_s": meas,
-                    "planner/drift": abs(pred - meas) / meas if meas > 0 else 0.0,
+                    "planner/drift": drift,
                 }
             )
-        return out
+        return out, drift
 
     def load_weights(self, policy_version: int, checkpoint_uri: str, weights: dict[str, Any]) -> float:
         """The trainer's new weights, pushed in place after its update; returns the seconds taken."""
@@ -422,7 +434,7 @@ class RolloutService(Service, RolloutAPI):
     def plan(self, state: ControllerState, step: int) -> RoundPlan:
         plan = self._policy(state, "plan").plan_step(step)
         return RoundPlan(
-            round_kind=plan.round_kind.value,
+            round_kind=plan.round_kind,
             prompts=tuple(p.prompt_id for p in plan.prompts),
             from_queue=tuple(plan.from_queue),
             target_prompts=plan.target_prompts,
@@ -443,10 +455,10 @@ class RolloutService(Service, RolloutAPI):
             # every prompt's kind: dynamic sampling draws prompts beyond the plan during the round
             kinds = {pid: ex.reward_kind for pid, ex in self.data().examples.items()}
             calls = _RewardCalls(self, step, attempt, kinds, _tokenizer(str(self.model_dir)))
-            layout_metrics = self._prepare_layout(state, plan.round_kind.value)
+            layout_metrics = self._prepare_layout(state, plan.round_kind)
             scaler = self._scale_down(state, attempt)
 
-            def on_step(_stats: Any, completed: int) -> None:
+            def on_step(_stats: EngineStepStats, completed: int) -> None:
                 self._check_running(step, attempt)
                 if scaler is not None:
                     scaler.observe(completed)
@@ -512,14 +524,15 @@ class RolloutService(Service, RolloutAPI):
     def _restore_drafts(self) -> None:
         """Seed a newly started engine's draft store from the newest persisted rounds (oldest
         first, so the newest responses win); a malformed document is skipped with a warning."""
-        if not self._drafts_kept() or not hasattr(self.engine, "remember_drafts"):
+        engine = self.engine
+        if not self._drafts_kept() or not isinstance(engine, DraftMemory):
             return
         store = self.store()
         keep = history_steps_kept(self.cfg.engine.speculation, self.cfg.rollout.prompts_per_step)
         taken = 0
         for key in sorted(store.list(self._drafts_prefix()))[-keep:]:
             try:
-                taken += self.engine.remember_drafts(history_from_json(store.get_bytes(key), store.uri(key)))
+                taken += engine.remember_drafts(history_from_json(store.get_bytes(key), store.uri(key)))
             except RollpackerError as e:
                 log.warning("draft history skipped: %s", e)
         if taken:
@@ -527,8 +540,9 @@ class RolloutService(Service, RolloutAPI):
 
     def _remember_cached(self, state: ControllerState) -> None:
         """The partial-rollout cache's responses as drafts for their prompts' siblings."""
-        if self._drafts_kept() and state.partial_cache and hasattr(self.engine, "remember_drafts"):
-            self.engine.remember_drafts(
+        engine = self.engine
+        if self._drafts_kept() and state.partial_cache and isinstance(engine, DraftMemory):
+            engine.remember_drafts(
                 {e.prompt_id: [x.token_ids for x in e.samples] for e in state.partial_cache if e.samples}
             )
 
@@ -558,17 +572,17 @@ class RolloutService(Service, RolloutAPI):
         step: int,
         attempt: str,
         policy: RolloutPolicy,
-        run: Any,
+        run: RoundRun,
         kinds: dict[str, RewardKind],
         layout_metrics: dict[str, float],
     ) -> RoundReport:
         result = run.result
-        queue = getattr(policy, "queue", None)
-        buffer = getattr(policy, "buffer", None)
+        queue, buffer = policy.long_queue(), policy.rollout_buffer()
+        switch_metrics, drift = self._layout_metrics()
         return RoundReport(
             step=step,
             attempt=attempt,
-            round_kind=result.plan.round_kind.value,
+            round_kind=result.plan.round_kind,
             trained=tuple(g.prompt.prompt_id for g in result.groups),
             deferred=tuple(p.prompt_id for p in result.deferred),
             from_queue=tuple(result.plan.from_queue),
@@ -578,24 +592,26 @@ class RolloutService(Service, RolloutAPI):
                 (g.prompt.prompt_id, max(c.num_tokens for c in g.responses)) for g in result.groups
             ),
             next_cursor=policy.cursor.state,
-            next_queue=tuple(p.prompt_id for p in queue.snapshot()) if queue is not None else (),
+            next_queue=tuple(p.prompt_id for p in queue),
             # the buffer (cached tokens and logprobs) is too big for a KFP task argument: it goes
             # to the store, and the commit copies it into the state document
             next_buffer_uri=self._put_buffer(step, attempt, buffer) if buffer else "",
             dropped=tuple(p.prompt_id for p in result.filtered),
             extra=tuple(p.prompt_id for p in result.extra_prompts),
             metrics={
-                **run.metrics.logged(len(queue) if queue is not None else 0),
+                **run.metrics.logged(len(queue)),
                 **self._dynamic_sampling_metrics(result),
-                "rollout/buffer_size": float(len(buffer or ())),
-                "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer or ())),
+                "rollout/buffer_size": float(len(buffer)),
+                "rollout/buffer_samples": float(sum(len(e.samples) for e in buffer)),
                 **layout_metrics,
-                **self._layout_metrics(),
+                **switch_metrics,
             },
+            preemptions=run.metrics.preemptions,
+            decode_drift=drift,
             end_wall=time.time(),
         )
 
-    def _dynamic_sampling_metrics(self, result: Any) -> dict[str, float]:
+    def _dynamic_sampling_metrics(self, result: RoundResult) -> dict[str, float]:
         """``rollout/extra_prompts`` (drawn beyond the plan) and ``rollout/dropped_groups`` (no
         reward variance: neither trained nor queued), with DAPO's dynamic sampling on."""
         if not self.cfg.rollout.dynamic_sampling.enabled:
@@ -605,18 +621,21 @@ class RolloutService(Service, RolloutAPI):
             "rollout/dropped_groups": float(len(result.filtered)),
         }
 
-    def _put_buffer(self, step: int, attempt: str, buffer: list[Any]) -> str:
+    def _put_buffer(self, step: int, attempt: str, buffer: Sequence[BufferEntry]) -> str:
         key = f"{self.cfg.experiment}/{self.arm}/buffers/step-{step:06d}-{attempt}.json"
         return self.store().put_bytes(key, buffer_to_json(buffer).encode(), "application/json")
 
     def _drain_engine(self) -> None:
-        live = self.engine.live_request_ids()
+        engine = self.engine
+        if engine is None:
+            return
+        live = engine.live_request_ids() if isinstance(engine, RequestList) else []
         if live:
-            self.engine.abort(live)
+            engine.abort(live)
         for _ in range(10_000):
-            if not self.engine.has_unfinished():
+            if not engine.has_unfinished():
                 break
-            self.engine.step()
+            engine.step()
 
     # -- validation and profiling -----------------------------------------------------------------
     def validate(self, step: int, attempt: str) -> Validation:
@@ -636,7 +655,7 @@ class RolloutService(Service, RolloutAPI):
                 self._drop_if_dead("validation")
                 raise
         tok = _tokenizer(str(self.model_dir))
-        by_role: dict[str, list[ScoreItem]] = {}
+        by_role: dict[Role, list[ScoreItem]] = {}
         for c in comps:
             role = reward_role(data.examples[c.prompt_id].reward_kind)
             text = tok.decode(list(c.token_ids), skip_special_tokens=True)
@@ -660,9 +679,13 @@ class RolloutService(Service, RolloutAPI):
             eng = self._engine_or_fail("profiling")
             if isinstance(eng, SwitchingEngine):
                 pool = eng.pool
-            else:  # one engine: profile it as the single layout tp x 1
+            elif isinstance(eng, VLLMEngine):  # one engine: profile it as the single layout tp x 1
                 single = LayoutEngine(Layout(eng.tp_size, 1), [eng])
                 pool = EnginePool.of({single.layout: single}, eng.cfg)
+            else:
+                raise RollpackerError(
+                    f"profiling measures vLLM engines; this service runs {type(eng).__name__}"
+                )
             spec = ProfileSpec.for_planner(pc, pool.layouts, self.cfg.engine.max_num_seqs, self.cfg.seed)
             data = self.data()
             try:
@@ -731,7 +754,7 @@ class _RewardCalls:
         self._peer(g.prompt.prompt_id).group(self.attempt, g, self._decode(g))
 
 
-def rollout_devices(ecfg: Any, planned: int, given_gpus: Sequence[str] | None = None) -> list[str]:
+def rollout_devices(ecfg: EngineConfig, planned: int, given_gpus: Sequence[str] | None = None) -> list[str]:
     """The devices the rollout engines use: ``planned`` (``planner.devices``; 0: one engine of
     ``engine.tensor_parallel_size``) of this node's. On CUDA they are exactly the GPUs this service
     was given (Ray's ``get_gpu_ids()``, else the visible ones), so engines x TP use every one of
@@ -759,7 +782,7 @@ def rollout_devices(ecfg: Any, planned: int, given_gpus: Sequence[str] | None = 
     return have
 
 
-def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
+def _without_idle_speculation(ecfg: EngineConfig, temperature: float) -> EngineConfig:
     """``ecfg`` with speculation off when its engine would draft nothing for the rollout's sampled
     requests (``sampled: auto`` where vLLM's expand kernel is wrong even with the override,
     ``engines/verification.py``): vLLM's speculative step costs time even then."""
@@ -777,8 +800,8 @@ def _without_idle_speculation(ecfg: Any, temperature: float) -> Any:
     return dataclasses.replace(ecfg, speculation=dataclasses.replace(spec, enabled=False))
 
 
-def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[str, tuple[str, ...]]:
-    out: dict[str, list[str]] = {"reward": [], "judge": []}
+def _count_roles(groups: Sequence[Group], kinds: dict[str, RewardKind]) -> dict[Role, tuple[str, ...]]:
+    out: dict[Role, list[str]] = {Role.REWARD: [], Role.JUDGE: []}
     for g in groups:
         out[reward_role(kinds[g.prompt.prompt_id])].append(g.prompt.prompt_id)
     return {k: tuple(v) for k, v in out.items()}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.types import Role
 from rollpacker.services.api import CommittedStep, TrackingAPI
 from rollpacker.services.base import Service
 
@@ -28,7 +29,7 @@ T = TypeVar("T")
 
 
 class TrackingService(Service, TrackingAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "tracking") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.TRACKING) -> None:
         super().__init__(config_text, arm, role)
 
     @functools.cached_property

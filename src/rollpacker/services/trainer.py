@@ -71,6 +71,7 @@ from rollpacker.core.metrics import policy_lag
 from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
 from rollpacker.core.state import ControllerState
+from rollpacker.core.types import Role
 from rollpacker.services.api import DeviceLease, PendingBatch, TrainerAPI, TrainerBegin, TrainReport
 from rollpacker.services.base import Service, ServiceError, checkpoint_cache
 from rollpacker.store.base import ObjectStore, cached_download
@@ -80,7 +81,7 @@ log = logging.getLogger(__name__)
 
 
 class TrainerService(Service, TrainerAPI):
-    def __init__(self, config_text: str, arm: str, role: str = "trainer") -> None:
+    def __init__(self, config_text: str, arm: str, role: Role = Role.TRAINER) -> None:
         super().__init__(config_text, arm, role)
         self.trainer: Any = None
         self.stream: Any = None

@@ -49,7 +49,7 @@ def commit(
     prof_key = ctx.profile_key(plan.attempt)
     prof = ctx.store.uri(prof_key) if ctx.store.exists(prof_key) else ""
     metrics = step_metrics(r, rw.report, jd.report, tr.report)
-    new = successor(ctx, state, r, rw.report, tr.report, prof, float(metrics.get("planner/drift", 0.0)))
+    new = successor(ctx, state, r, rw.report, tr.report, prof)
     # a (re-)profile is one-off work like the arm's start-up: its own metric, not step time
     profile_s = float(ctx.store.get_json(prof_key).get("seconds", 0.0)) if prof else 0.0
     metrics.update(_time_metrics(plan, ro, rw, jd, tr, profile_s))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rollpacker.core.config import ExperimentConfig, arm_config
 from rollpacker.core.errors import TrackingUnavailable
 from rollpacker.core.state import ControllerState, StateError
+from rollpacker.core.types import ServicesMode
 from rollpacker.services.api import TrackingAPI
 from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry
@@ -45,7 +46,7 @@ class StageContext:
         cls,
         config_text: str,
         arm: str,
-        services_mode: str,
+        services_mode: ServicesMode,
         process_start: float | None = None,
         ray_address: str = "",
     ) -> StageContext:

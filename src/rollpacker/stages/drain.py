@@ -3,13 +3,14 @@ during rollout) and report them."""
 
 from __future__ import annotations
 
+from rollpacker.core.types import Role
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import Clock, DrainOutput, RolloutOutput, StepPlan
 
 
-def drain(ctx: StageContext, role: str, plan: StepPlan, rollout: RolloutOutput) -> DrainOutput:
-    """``role``: ``reward`` (rule and sandbox rewards) or ``judge``."""
+def drain(ctx: StageContext, role: Role, plan: StepPlan, rollout: RolloutOutput) -> DrainOutput:
+    """``role``: ``Role.REWARD`` (rule and sandbox rewards) or ``Role.JUDGE``."""
     clock = Clock()
     r = rollout.round
     if plan.skip or r is None or plan.round is None or role not in plan.round.roles:

@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from rollpacker.core.types import Role, ServicesMode, parse_enum
 from rollpacker.stages import commit as commit_stage
 from rollpacker.stages import drain as drain_stage
 from rollpacker.stages import plan as plan_stage
@@ -41,9 +42,8 @@ class CommitEdge(NamedTuple):
 
 @contextlib.contextmanager
 def _ctx(config: str, arm: str) -> Iterator[StageContext]:
-    ctx = StageContext.create(
-        config, arm, os.environ.get("ROLLPACKER_SERVICES", "ray"), process_start=_process_start()
-    )
+    mode = parse_enum(ServicesMode, os.environ.get("ROLLPACKER_SERVICES", "ray"), "$ROLLPACKER_SERVICES")
+    ctx = StageContext.create(config, arm, mode, process_start=_process_start())
     try:
         yield ctx
     finally:
@@ -81,13 +81,13 @@ def rollout(config: str, plan: str) -> str:
 def reward(config: str, plan: str, rollout: str) -> str:
     p = StepPlan.from_json(plan)
     with _ctx(config, p.arm) as ctx:
-        return drain_stage.drain(ctx, "reward", p, RolloutOutput.from_json(rollout)).to_json()
+        return drain_stage.drain(ctx, Role.REWARD, p, RolloutOutput.from_json(rollout)).to_json()
 
 
 def judge(config: str, plan: str, rollout: str) -> str:
     p = StepPlan.from_json(plan)
     with _ctx(config, p.arm) as ctx:
-        return drain_stage.drain(ctx, "judge", p, RolloutOutput.from_json(rollout)).to_json()
+        return drain_stage.drain(ctx, Role.JUDGE, p, RolloutOutput.from_json(rollout)).to_json()
 
 
 def train(config: str, plan: str, rollout: str, reward: str, judge: str) -> str:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from rollpacker.core.serde import Message
+from rollpacker.core.types import Role, RoundKind
 from rollpacker.services.api import (
     DrainReport,
     EngineSync,
@@ -62,7 +63,7 @@ class RoundStart(Message):
     trainer and the reward services said when they began the attempt."""
 
     trainer: TrainerBegin
-    rewards: dict[str, RewardBegin]
+    rewards: dict[Role, RewardBegin]
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class ProfileOutput(Message):
 class RolloutOutput(Message):
     round: RoundReport | None
     trainer: TrainerBegin | None
-    rewards: dict[str, RewardBegin]
+    rewards: dict[Role, RewardBegin]
     timing: Timing
     round_span: Timing | None = None  # when the rollout service ran the round
 
@@ -123,7 +124,7 @@ class CommitOutput(Message):
     attempt: str
     skipped: bool
     state_uri: str = ""
-    round_kind: str = ""
+    round_kind: RoundKind | None = None  # None: skipped
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -134,7 +135,7 @@ class CommitRecord(Message):
     step: int
     attempt: str
     state_uri: str
-    round_kind: str
+    round_kind: RoundKind
     metrics: dict[str, float]
 
 
@@ -148,7 +149,7 @@ class GroupsLog(Message):
 
     step: int
     attempt: str
-    round_kind: str
+    round_kind: RoundKind
     trained: tuple[str, ...]
     deferred: tuple[str, ...]
     from_queue: tuple[str, ...]
@@ -160,5 +161,5 @@ class GroupsLog(Message):
 class LengthsLog(Message):
     """``lengths.json``: the response lengths the step trained on."""
 
-    round_kind: str
+    round_kind: RoundKind
     lengths: tuple[int, ...]

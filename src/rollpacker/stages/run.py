@@ -7,6 +7,7 @@ group's gradient is computed at once (stream trainer); the drains and ``train`` 
 
 from __future__ import annotations
 
+from rollpacker.core.types import Role
 from rollpacker.stages.commit import commit
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.drain import drain
@@ -22,7 +23,7 @@ def run_step(ctx: StageContext) -> CommitOutput:
     if p.need_profile:
         profile(ctx, p)  # the planner's latency table, written to the store
     ro = rollout(ctx, p)  # the round; rewards and gradients start inside the services
-    rw = drain(ctx, "reward", p, ro)  # rule and sandbox rewards finished
-    jd = drain(ctx, "judge", p, ro)  # judge rewards finished
+    rw = drain(ctx, Role.REWARD, p, ro)  # rule and sandbox rewards finished
+    jd = drain(ctx, Role.JUDGE, p, ro)  # judge rewards finished
     tr = train(ctx, p, ro)  # the one deferred update, checkpoint, weights into the engine
     return commit(ctx, p, ro, rw, jd, tr)  # the successor state, atomically; MLflow

@@ -13,8 +13,9 @@ import dataclasses
 
 from rollpacker.core.latency import Predictor, ProfileTable, best_layout
 from rollpacker.core.planner import replay
-from rollpacker.core.policies.buffered import BufferEntry, buffer_from_json
+from rollpacker.core.policies.entries import BufferEntry, buffer_from_json
 from rollpacker.core.state import ControllerState, TPPlan
+from rollpacker.core.types import RoundKind
 from rollpacker.services.api import DrainReport, RoundReport, TrainReport
 from rollpacker.stages.context import StageContext
 
@@ -28,13 +29,11 @@ def successor(
     anchors_from: DrainReport | None,
     tr: TrainReport,
     profile_uri: str,
-    drift: float,
 ) -> ControllerState:
     """``state`` after the step: ``profile_uri`` is the profile measured in it ("" = none)."""
     hist = dict(state.length_history)
     hist.update(r.longest)
     initial_tp = profiled_tp(ctx, profile_uri) if profile_uri else state.tp_plan.initial_tp
-    preemptions = int(r.metrics.get("rollout/preemptions", 0))
     return state.successor(
         cursor_seed=r.next_cursor.seed,
         cursor_epoch=r.next_cursor.epoch,
@@ -45,7 +44,7 @@ def successor(
         tp_plan=replayed_plan(
             ctx,
             (*state.tp_plan.round_kinds, r.round_kind),
-            (*state.tp_plan.preemption_history, preemptions),
+            (*state.tp_plan.preemption_history, r.preemptions),
             initial_tp,
         ),
         timeout_anchors=anchors_from.timeout_anchors if anchors_from else state.timeout_anchors,
@@ -55,7 +54,7 @@ def successor(
         policy_version=tr.policy_version,
         profile_uri=profile_uri or state.profile_uri,
         # a fresh profile was measured this step; otherwise how far this step's decode drifted
-        profile_drift=0.0 if profile_uri else drift,
+        profile_drift=0.0 if profile_uri else r.decode_drift,
         trained_samples=state.trained_samples + tr.samples,
         trained_prompts=state.trained_prompts + len(r.trained),
     )
@@ -72,7 +71,7 @@ def rollback_step(state: ControllerState, tr: TrainReport) -> int | None:
 
 
 def replayed_plan(
-    ctx: StageContext, kinds: tuple[str, ...], history: tuple[int, ...], initial_tp: int
+    ctx: StageContext, kinds: tuple[RoundKind, ...], history: tuple[int, ...], initial_tp: int
 ) -> TPPlan:
     """The planner's heuristic replayed over the whole history from the profiled best TP
     (``initial_tp``; 0 = ``planner.initial_tp``)."""
@@ -80,7 +79,7 @@ def replayed_plan(
     if initial_tp:
         cfg = dataclasses.replace(cfg, initial_tp=max(cfg.min_tp, min(initial_tp, cfg.max_tp)))
     planned = replay(cfg, zip(kinds, history, strict=True))
-    return TPPlan(planned.tp_for("short"), planned.tp_for("long"), history, kinds, initial_tp)
+    return TPPlan(planned.tp_for(RoundKind.SHORT), planned.tp_for(RoundKind.LONG), history, kinds, initial_tp)
 
 
 def with_fresh_profile(ctx: StageContext, state: ControllerState, attempt: str) -> ControllerState:
@@ -125,10 +124,7 @@ def step_metrics(
     n = sum(d.samples for d in drains)
     if n:
         m["reward/mean"] = sum(d.reward_sum for d in drains) / n
-    m["reward/tail_s"] = max(
-        rw.metrics.get("reward/tail_s", 0.0) if rw else 0.0,
-        jd.metrics.get("judge/tail_s", 0.0) if jd else 0.0,
-    )
+    m["reward/tail_s"] = max((d.tail_s for d in drains), default=0.0)
     m["reward/drain_s"] = sum(d.drain_s for d in drains)
     m["train/samples"] = float(tr.samples)
     return {k: float(v) for k, v in m.items()}

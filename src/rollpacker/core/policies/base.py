@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rollpacker.core.errors import PolicyError
+from rollpacker.core.policies.entries import BufferEntry
+from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import (
     Actions,
     Completion,
@@ -192,9 +194,23 @@ class GroupedRound(Round):
 
 
 class RolloutPolicy(abc.ABC):
-    """Plans steps, opens rounds, and takes their results back."""
+    """Plans steps, opens rounds, and takes their results back.
+
+    What a policy carries to the next step, read by the runtime after ``commit`` (the controller
+    state stores it): every policy's ``cursor``, and the long-prompt queue and the rollout buffer,
+    which are empty for a policy that keeps none."""
 
     name: str
+    cursor: PromptCursor  # the seeded dataset order and the position in it
+
+    def long_queue(self) -> tuple[Prompt, ...]:
+        """Tail batching's long-prompt queue (FIFO); empty for a policy without one."""
+        return ()
+
+    def rollout_buffer(self) -> tuple[BufferEntry, ...]:
+        """SortedRL's / partial rollout's buffer (prompts with their cached responses); empty for
+        a policy without one."""
+        return ()
 
     @abc.abstractmethod
     def plan_step(self, step: int) -> StepPlan:

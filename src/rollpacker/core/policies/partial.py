@@ -35,7 +35,8 @@ import dataclasses
 from rollpacker.core.config import RolloutConfig
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.policies.base import RolloutPolicy, Round, SamplingFactory, check_result
-from rollpacker.core.policies.buffered import BufferedRound, BufferEntry, buffer_after
+from rollpacker.core.policies.buffered import BufferedRound
+from rollpacker.core.policies.entries import BufferEntry, buffer_after
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, RoundResult, StepPlan
 
@@ -99,6 +100,9 @@ class PartialPolicy(RolloutPolicy):
         """New prompts a step may supplement at most: enough for P0 groups plus every request in
         flight belonging to a different prompt."""
         return self.cfg.prompts_per_step + self.in_flight
+
+    def rollout_buffer(self) -> tuple[BufferEntry, ...]:
+        return tuple(self.buffer)
 
     def plan_step(self, step: int) -> StepPlan:
         p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt

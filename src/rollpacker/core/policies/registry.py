@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from rollpacker.core.config import PolicyName, RolloutConfig
 from rollpacker.core.errors import ConfigError, PolicyError
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
-from rollpacker.core.policies.buffered import BufferEntry, buffer_from_state
+from rollpacker.core.policies.entries import BufferEntry, buffer_from_state
 from rollpacker.core.policies.partial import PartialPolicy
 from rollpacker.core.policies.sorted import SortedPolicy
 from rollpacker.core.policies.sync import SyncPolicy

@@ -28,7 +28,8 @@ from __future__ import annotations
 from rollpacker.core.config import RolloutConfig, SortedMode
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.policies.base import RolloutPolicy, Round, SamplingFactory, check_result
-from rollpacker.core.policies.buffered import BufferedRound, BufferEntry, buffer_after
+from rollpacker.core.policies.buffered import BufferedRound
+from rollpacker.core.policies.entries import BufferEntry, buffer_after
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, RoundResult, StepPlan
 
@@ -62,6 +63,9 @@ class SortedPolicy(RolloutPolicy):
     @property
     def group_prompts(self) -> int:
         return self.cfg.sorted.group_size * self.cfg.prompts_per_step
+
+    def rollout_buffer(self) -> tuple[BufferEntry, ...]:
+        return tuple(self.buffer)
 
     def plan_step(self, step: int) -> StepPlan:
         p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt

@@ -66,6 +66,9 @@ class TailBatchingPolicy(RolloutPolicy):
         picked, ends = self.cursor.draw_excluding(n, skip, "the long-prompt queue")
         return picked, ends[-1]
 
+    def long_queue(self) -> tuple[Prompt, ...]:
+        return self.queue.snapshot()
+
     def plan_step(self, step: int) -> StepPlan:
         p0, r0 = self.cfg.prompts_per_step, self.cfg.responses_per_prompt
         if len(self.queue) >= p0:
