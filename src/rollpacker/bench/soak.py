@@ -320,7 +320,8 @@ def run_soak(
         from rollpacker.devservices import local_ray_address
 
         ray_address = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
-    ctx = StageContext.create(text, arm, ServicesMode(services), ray_address=ray_address)  # the registry gets it
+    # the registry gets the address
+    ctx = StageContext.create(text, arm, ServicesMode(services), ray_address=ray_address)
     ctx.store.check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     reset_arms(cfg, [arm], say)  # a soak always starts from step 0
