@@ -12,6 +12,7 @@ import pytest
 
 from rollpacker import experiment
 from rollpacker.core.config import config_from_text
+from rollpacker.core.types import Runner
 from rollpacker.services.base import ServiceError
 
 
@@ -73,7 +74,7 @@ def test_the_arm_prepares_its_model_then_hands_the_address_to_the_registry_and_i
     monkeypatch.setattr(experiment, "ServiceRegistry", Registry)
     monkeypatch.setattr(experiment, "run_arm_kfp", run_kfp)
     out = experiment._run_arm(
-        cfg, "experiment: e\nsteps: 2\n", "sync", "kfp", 0, tmp_path, print, "127.0.0.9:6380"
+        cfg, "experiment: e\nsteps: 2\n", "sync", Runner.KFP, 0, tmp_path, print, "127.0.0.9:6380"
     )
     assert out.steps_run == 2
     assert seen == [("registry", "127.0.0.9:6380"), ("prepare", "sync"), ("kfp", "sync", 2, "127.0.0.9:6380")]
