@@ -19,7 +19,7 @@ from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
-from rollpacker.stages.messages import RolloutOutput, RoundStart, StepPlan, Timing, TrainOutput
+from rollpacker.stages.messages import PlanOutput, RolloutOutput, RoundStart, Timing, TrainOutput
 
 
 def _rollout() -> RolloutOutput:
@@ -48,11 +48,11 @@ def test_stage_messages_round_trip() -> None:
     assert RolloutOutput.from_json(ro.to_json()) == ro
     tr = TrainOutput(api.TrainReport("s3://b/ck/", 4, 8, "", {"train/loss": 0.5}), None, 0.0, Timing(1, 2, 3))
     assert TrainOutput.from_json(tr.to_json()) == tr
-    plan = StepPlan("e", "a", 0, -1, "x", True, "s3://b/base/", "run", Timing(0.1, 1.0, 1.1))
-    assert StepPlan.from_json(plan.to_json()) == plan
+    plan = PlanOutput("e", "a", 0, -1, "x", True, "s3://b/base/", "run", Timing(0.1, 1.0, 1.1))
+    assert PlanOutput.from_json(plan.to_json()) == plan
     started = RoundStart(api.TrainerBegin(0.2, True, 0), {"reward": api.RewardBegin(0.1, ("math",))})
     plan = dataclasses.replace(plan, skip=False, started=started)
-    assert StepPlan.from_json(plan.to_json()) == plan
+    assert PlanOutput.from_json(plan.to_json()) == plan
 
 
 def test_a_renamed_field_fails_at_the_edge_with_its_path() -> None:

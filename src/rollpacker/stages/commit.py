@@ -26,8 +26,8 @@ from rollpacker.stages.messages import (
     DrainOutput,
     GroupsLog,
     LengthsLog,
+    PlanOutput,
     RolloutOutput,
-    StepPlan,
     Timing,
     TrainOutput,
 )
@@ -35,7 +35,7 @@ from rollpacker.stages.successor import step_metrics, successor
 
 
 def commit(
-    ctx: StageContext, plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
+    ctx: StageContext, plan: PlanOutput, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
 ) -> CommitOutput:
     clock = Clock()
     if plan.skip or ro.round is None or tr.report is None:
@@ -77,7 +77,7 @@ def commit(
 
 
 def _already_committed(
-    ctx: StageContext, plan: StepPlan, latest: ControllerState | None
+    ctx: StageContext, plan: PlanOutput, latest: ControllerState | None
 ) -> CommitOutput | None:
     """This very commit ran before and died after moving the pointer: what it committed."""
     if latest is None or latest.step != plan.step:
@@ -89,7 +89,7 @@ def _already_committed(
 
 
 def _time_metrics(
-    plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
+    plan: PlanOutput, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
 ) -> dict[str, float]:
     """Seconds per stage (each stage function's own work) and the validation's metrics."""
     stages = {
@@ -119,7 +119,7 @@ def busy_seconds(spans: list[tuple[float, float]]) -> float:
 
 
 def _wall_metrics(
-    plan: StepPlan,
+    plan: PlanOutput,
     ro: RolloutOutput,
     rw: DrainOutput,
     jd: DrainOutput,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, DrainOutput, RolloutOutput, StepPlan
+from rollpacker.stages.messages import Clock, DrainOutput, PlanOutput, RolloutOutput
 
 
-def drain(ctx: StageContext, role: str, plan: StepPlan, rollout: RolloutOutput) -> DrainOutput:
+def drain(ctx: StageContext, role: str, plan: PlanOutput, rollout: RolloutOutput) -> DrainOutput:
     """``role``: ``reward`` (rule and sandbox rewards) or ``judge``."""
     clock = Clock()
     r = rollout.round

@@ -1,8 +1,8 @@
 """What the stages hand each other: typed, strict messages (JSON only at the KFP component edge).
 
-    StepPlan ──> ProfileOutput (optional, read back from the store by the commit)
-             ──> RolloutOutput ──> DrainOutput (reward), DrainOutput (judge) ──> TrainOutput
-             ──> CommitOutput
+    PlanOutput ──> ProfileOutput (optional, read back from the store by the commit)
+               ──> RolloutOutput ──> DrainOutput (reward), DrainOutput (judge) ──> TrainOutput
+               ──> CommitOutput
 Beside the edges, the commit writes per-step records into the state store: ``CommitRecord``
 (what MLflow is repaired from), ``GroupsLog`` (the exactly-once log) and ``LengthsLog``.
 
@@ -66,7 +66,7 @@ class RoundStart(Message):
 
 
 @dataclass(frozen=True)
-class StepPlan(Message):
+class PlanOutput(Message):
     """The plan stage's decision for one attempt of one step."""
 
     experiment: str

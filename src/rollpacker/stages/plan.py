@@ -27,7 +27,7 @@ from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.stages import hooks
 from rollpacker.stages.commit import repair_tracking
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, StepPlan
+from rollpacker.stages.messages import Clock, PlanOutput
 from rollpacker.stages.rollout import begin_round
 from rollpacker.tasks.dataset_store import publish
 from rollpacker.tasks.models import prepare_model
@@ -36,7 +36,7 @@ from rollpacker.tracking import flatten_params
 log = logging.getLogger(__name__)
 
 
-def plan(ctx: StageContext) -> StepPlan:
+def plan(ctx: StageContext) -> PlanOutput:
     """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
     clock = Clock(ctx.process_start)  # a step's wall clock starts with its plan task's process
     ctx.store.check()
@@ -51,7 +51,7 @@ def plan(ctx: StageContext) -> StepPlan:
         ctx.tracking_optional("logging the steps MLflow missed", lambda: _check_and_repair(ctx, state))
     step = state.next_step
     attempt = uuid.uuid4().hex[:12]
-    skipped = StepPlan(
+    skipped = PlanOutput(
         experiment=ctx.cfg.experiment,
         arm=ctx.arm,
         step=step,

@@ -12,11 +12,11 @@ from __future__ import annotations
 from rollpacker.core.state import ControllerState
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, RolloutOutput, RoundStart, StepPlan, span
+from rollpacker.stages.messages import Clock, PlanOutput, RolloutOutput, RoundStart, span
 from rollpacker.stages.successor import with_fresh_profile
 
 
-def begin_round(ctx: StageContext, plan: StepPlan, state: ControllerState) -> RoundStart:
+def begin_round(ctx: StageContext, plan: PlanOutput, state: ControllerState) -> RoundStart:
     """Begin the attempt on the trainer and the reward services, and start its round."""
     assert plan.round is not None
     trainer = ctx.services.trainer().begin(plan.attempt, state, plan.base_uri)
@@ -29,7 +29,7 @@ def begin_round(ctx: StageContext, plan: StepPlan, state: ControllerState) -> Ro
     return RoundStart(trainer, rewards)
 
 
-def rollout(ctx: StageContext, plan: StepPlan) -> RolloutOutput:
+def rollout(ctx: StageContext, plan: PlanOutput) -> RolloutOutput:
     clock = Clock()
     if plan.skip or plan.round is None:
         return RolloutOutput(None, None, {}, clock.timing())

@@ -7,10 +7,10 @@ import time
 
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan, TrainOutput, span
+from rollpacker.stages.messages import Clock, PlanOutput, RolloutOutput, TrainOutput, span
 
 
-def train(ctx: StageContext, plan: StepPlan, rollout: RolloutOutput) -> TrainOutput:
+def train(ctx: StageContext, plan: PlanOutput, rollout: RolloutOutput) -> TrainOutput:
     clock = Clock()
     r = rollout.round
     if plan.skip or r is None:
