@@ -20,6 +20,7 @@ from rollpacker.core.serde import Message
 from rollpacker.services.api import (
     DrainReport,
     EngineSync,
+    Pending,
     ProfileSummary,
     RewardBegin,
     RoundPlan,
@@ -58,11 +59,12 @@ def span(start_wall: float, end_wall: float) -> Timing:
 
 @dataclass(frozen=True)
 class RoundStart(Message):
-    """The services began the step's round in the plan stage (no profile was due): what the
-    trainer and the reward services said when they began the attempt."""
+    """The services began the step's round: what the trainer and the reward services said when they
+    began the attempt, and the round's ticket (the rollout stage collects it)."""
 
     trainer: TrainerBegin
     rewards: dict[str, RewardBegin]
+    round: Pending[RoundReport]
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,9 @@ class PlanOutput(Message):
     round: RoundPlan | None = None
     val0: Validation | None = None  # the validation before any RL (the arm's first step)
     init_s: float = 0.0  # one-off start-up of the arm's first step (warm-ups, engine start)
-    started: RoundStart | None = None  # the round already runs (the rollout stage waits for it)
+    started: RoundStart | None = (
+        None  # the round already runs (no profile was due): the rollout stage collects it
+    )
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class RolloutOutput(Message):
     rewards: dict[str, RewardBegin]
     timing: Timing
     round_span: Timing | None = None  # when the rollout service ran the round
+    update: Pending[TrainReport] | None = None  # the update, begun as the round ended: training collects it
 
 
 @dataclass(frozen=True)
