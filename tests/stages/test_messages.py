@@ -21,7 +21,7 @@ from rollpacker.services.reward import RewardService
 from rollpacker.services.rollout import RolloutService
 from rollpacker.services.tracking import TrackingService
 from rollpacker.services.trainer import TrainerService
-from rollpacker.stages.messages import PlanOutput, RolloutOutput, RoundStart, Timing, TrainOutput
+from rollpacker.stages.messages import ArmDone, PlanOutput, RolloutOutput, RoundStart, Timing, TrainOutput
 
 
 def _rollout() -> RolloutOutput:
@@ -43,22 +43,44 @@ def _rollout() -> RolloutOutput:
     )
     begin = api.RewardBegin(0.1, ("math", "code"))
     update = api.Pending[api.TrainReport]("trainer", "update", "abc", "TrainReport", 1.0e9)
+    span = Timing(1.0, 1.0e9 - 1.0, 1.0e9)
     return RolloutOutput(
-        report, api.TrainerBegin(0.2, True, 0), {"reward": begin}, Timing(2.0, 1.0, 3.0), update=update
+        report, api.TrainerBegin(0.2, True, 0), {"reward": begin}, Timing(2.0, 1.0, 3.0), span, update
     )
 
 
 def test_stage_messages_round_trip() -> None:
     ro = _rollout()
     assert RolloutOutput.from_json(ro.to_json()) == ro
-    tr = TrainOutput(api.TrainReport("s3://b/ck/", 4, 8, "", {"train/loss": 0.5}), None, 0.0, Timing(1, 2, 3))
+    report = api.TrainReport("s3://b/ck/", 4, 8, "", {"train/loss": 0.5})
+    tr = TrainOutput(report, None, 0.0, Timing(1, 2, 3), Timing(1, 1, 2))
     assert TrainOutput.from_json(tr.to_json()) == tr
-    plan = PlanOutput("e", "a", 0, -1, "x", True, "s3://b/base/", "run", Timing(0.1, 1.0, 1.1))
+    sync = api.EngineSync(True, False, 1.5, 0)
+    round_plan = api.RoundPlan("short", ("p1", "p2"), (), 2, ("reward",))
+    plan = PlanOutput("e", "a", 0, -1, "x", "s3://b/base/", "run", Timing(0.1, 1.0, 1.1), sync, round_plan)
     assert PlanOutput.from_json(plan.to_json()) == plan
     ticket = api.Pending[api.RoundReport]("rollout", "round", "x", "RoundReport", 1.0e9)
     started = RoundStart(api.TrainerBegin(0.2, True, 0), {"reward": api.RewardBegin(0.1, ("math",))}, ticket)
-    plan = dataclasses.replace(plan, skip=False, started=started)
+    plan = dataclasses.replace(plan, started=started)
     assert PlanOutput.from_json(plan.to_json()) == plan
+    done = ArmDone("e", "a", 4, 3, "y", "run", Timing(0.1, 1.0, 1.1))
+    assert ArmDone.from_json(done.to_json()) == done
+
+
+def test_no_stage_message_carries_a_report_that_exists_only_when_the_step_runs() -> None:
+    # the DAG gates on plan.skip: a later stage always has its inputs' reports
+    for msg, name in (
+        (PlanOutput, "sync"),
+        (PlanOutput, "round"),
+        (RolloutOutput, "round"),
+        (RolloutOutput, "trainer"),
+        (RolloutOutput, "update"),
+        (TrainOutput, "report"),
+    ):
+        assert type(None) not in typing.get_args(typing.get_type_hints(msg)[name]), (msg, name)
+    assert not hasattr(PlanOutput, "skip")
+    with pytest.raises(MessageError, match="PlanOutput: missing field 'base_uri'"):  # ArmDone is no plan
+        PlanOutput.from_json(ArmDone("e", "a", 4, 3, "y", "run", Timing(0.1, 1.0, 1.1)).to_json())
 
 
 def test_a_renamed_field_fails_at_the_edge_with_its_path() -> None:

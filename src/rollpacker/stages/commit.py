@@ -38,8 +38,6 @@ def commit(
     ctx: StageContext, plan: PlanOutput, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
 ) -> CommitOutput:
     clock = Clock()
-    if plan.skip or ro.round is None or tr.report is None:
-        return CommitOutput(plan.step, plan.attempt, skipped=True)
     latest = ctx.states.latest()
     done = _already_committed(ctx, plan, latest)
     if done is not None:
@@ -137,7 +135,7 @@ def _wall_metrics(
         (t.end_wall - t.work_s, t.end_wall)
         for t in (plan.timing, ro.timing, rw.timing, jd.timing, tr.timing, commit)
     ]
-    work += [(t.start_wall, t.end_wall) for t in (ro.round_span, tr.update_span) if t is not None]
+    work += [(t.start_wall, t.end_wall) for t in (ro.round_span, tr.update_span)]
     busy = busy_seconds(work) + profile_s  # the profile stage's own span is not passed on
     return {
         "stage/commit_s": commit.work_s,

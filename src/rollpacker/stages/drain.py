@@ -11,9 +11,9 @@ from rollpacker.stages.messages import Clock, DrainOutput, PlanOutput, RolloutOu
 def drain(ctx: StageContext, role: str, plan: PlanOutput, rollout: RolloutOutput) -> DrainOutput:
     """``role``: ``reward`` (rule and sandbox rewards) or ``judge``."""
     clock = Clock()
-    r = rollout.round
-    if plan.skip or r is None or plan.round is None or role not in plan.round.roles:
+    if role not in plan.round.roles:  # the task needs no service of this role
         return DrainOutput(None, clock.timing())
+    r = rollout.round
     ctx.state_for(plan)
     hooks.at(role, plan.step)
     report = ctx.services.reward(role).drain(plan.attempt, r.groups_by_role.get(role, ()), r.end_wall)

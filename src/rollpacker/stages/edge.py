@@ -24,11 +24,11 @@ from rollpacker.stages import profile as profile_stage
 from rollpacker.stages import rollout as rollout_stage
 from rollpacker.stages import train as train_stage
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import DrainOutput, PlanOutput, RolloutOutput, TrainOutput
+from rollpacker.stages.messages import ArmDone, DrainOutput, PlanOutput, RolloutOutput, TrainOutput
 
 
 class PlanEdge(NamedTuple):
-    plan: str  # PlanOutput
+    plan: str  # PlanOutput, or ArmDone when ``skip``
     step: int
     need_profile: bool
     skip: bool
@@ -61,9 +61,12 @@ def _process_start() -> float | None:
 
 
 def plan(config: str, arm: str) -> PlanEdge:
+    """``skip``: the arm is done (``plan`` holds an ``ArmDone``): the DAG runs nothing after it."""
     with _ctx(config, arm) as ctx:
         p = plan_stage.plan(ctx)
-    return PlanEdge(p.to_json(), p.step, p.need_profile, p.skip)
+    if isinstance(p, ArmDone):
+        return PlanEdge(p.to_json(), p.step, False, True)
+    return PlanEdge(p.to_json(), p.step, p.need_profile, False)
 
 
 def profile(config: str, plan: str) -> str:

@@ -9,8 +9,6 @@ from rollpacker.stages.messages import Clock, PlanOutput, ProfileOutput
 
 def profile(ctx: StageContext, plan: PlanOutput) -> ProfileOutput:
     clock = Clock()
-    if plan.skip:
-        return ProfileOutput(None, clock.timing())
     key = ctx.profile_key(plan.attempt)
     summary = ctx.services.rollout().profile(key)
     if plan.run_id:

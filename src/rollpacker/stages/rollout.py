@@ -19,7 +19,6 @@ from rollpacker.stages.successor import with_fresh_profile
 
 def begin_round(ctx: StageContext, plan: PlanOutput, state: ControllerState) -> RoundStart:
     """Begin the attempt on the trainer and the reward services, and begin its round."""
-    assert plan.round is not None
     trainer = ctx.services.trainer().begin(plan.attempt, state, plan.base_uri)
     rewards = {
         role: ctx.services.reward(role).begin(plan.attempt, state.timeout_anchors)
@@ -31,8 +30,6 @@ def begin_round(ctx: StageContext, plan: PlanOutput, state: ControllerState) -> 
 
 def rollout(ctx: StageContext, plan: PlanOutput) -> RolloutOutput:
     clock = Clock()
-    if plan.skip or plan.round is None:
-        return RolloutOutput(None, None, {}, clock.timing())
     state = ctx.state_for(plan)
     started = plan.started or begin_round(ctx, plan, state)
     hooks.at("rollout", plan.step, delay_s=1.0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from rollpacker.stages.commit import commit
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.drain import drain
-from rollpacker.stages.messages import CommitOutput
+from rollpacker.stages.messages import ArmDone, CommitOutput
 from rollpacker.stages.plan import plan
 from rollpacker.stages.profile import profile
 from rollpacker.stages.rollout import rollout
@@ -28,6 +28,8 @@ from rollpacker.stages.train import train
 
 def run_step(ctx: StageContext) -> CommitOutput:
     p = plan(ctx)  # state loaded, engine synced, round planned; BEGINS the round -> p.started.round
+    if isinstance(p, ArmDone):  # every step of the arm is committed (the DAG gates here too)
+        return CommitOutput(p.step, p.attempt, skipped=True)
     if p.need_profile:
         profile(ctx, p)  # the planner's latency table, written to the store (the round waits for it)
     ro = rollout(ctx, p)  # AWAITS the round (begins it after a profile); BEGINS the update -> ro.update

@@ -12,9 +12,6 @@ from rollpacker.stages.messages import Clock, PlanOutput, RolloutOutput, TrainOu
 
 def train(ctx: StageContext, plan: PlanOutput, rollout: RolloutOutput) -> TrainOutput:
     clock = Clock()
-    r = rollout.round
-    if plan.skip or r is None or rollout.update is None:
-        return TrainOutput(None, None, 0.0, clock.timing())
     ctx.state_for(plan)
     step, cfg = plan.step, ctx.cfg
     got = ctx.services.trainer().collect(rollout.update)
