@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import pickle
 import threading
 import time
 import typing
@@ -155,7 +156,8 @@ def test_a_begun_call_runs_ahead_and_is_collected_once_with_its_span() -> None:
     ticket = svc.begin("r1")
     assert svc.begin("r1") == ticket  # beginning it again returns the first ticket, runs nothing
     assert time.time() - t0 < 1.0  # begin does not wait for the call
-    assert api.Pending.from_json(ticket.to_json()) == ticket  # the ticket crosses a KFP edge
+    assert api.Pending.from_json(ticket.to_json()) == ticket  # the ticket crosses a KFP edge...
+    assert pickle.loads(pickle.dumps(ticket)) == ticket  # ...and a Ray call
     _Slow.go.set()
     got = svc.collect(ticket)
     assert got.value == api.RewardBegin(1.5, ("r1",)) and t0 <= got.start_wall <= got.end_wall
