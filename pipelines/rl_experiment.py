@@ -2,8 +2,8 @@
 then ``rl-step`` sub-pipelines, each after the previous one.
 
 N is fixed at compile time (``rollpacker compile --steps N``); the controller keeps the state between
-steps, so each sub-pipeline runs the arm's next step, and steps past ``config.steps`` are skipped
-by the stages.
+steps, so each sub-pipeline runs the arm's next step; in a step past ``config.steps`` only the plan
+runs (``rl-step`` gates every other stage on ``plan.skip``).
 """
 
 from components.prepare_model.component import prepare_model

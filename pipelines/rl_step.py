@@ -1,15 +1,17 @@
 """One RL step as a KFP pipeline (docs/architecture.md, "The stages and services on a cluster")::
 
-    controller-plan -> [profiling, if plan.need_profile] -> rollout -> sandbox-reward --+-> training
-                                                                  \\-> judge ----------/      |
-                                                                             controller-commit
+    controller-plan -> [unless plan.skip: [profiling, if plan.need_profile] -> rollout
+                        -> sandbox-reward and judge -> training -> controller-commit]
 
 Every task's Kubernetes settings (resources, node pool, Secrets as env) come from pipelines/platform.py.
 Every task has caching off (a step reads and writes the arm's state, so two runs of the same
 inputs are different steps) and no retries. A step whose arm already reached ``config.steps`` gets
-``plan.skip``; the stages then do nothing (``rollpacker.stages``), so the DAG needs no gate.
+``plan.skip`` (its ``plan`` output is then an ``ArmDone``, not a ``PlanOutput``): every stage after
+the plan sits under a ``dsl.If`` on it, inside the sub-pipeline ``step-unless-done``, so the stages
+never see a step that does not run.
 
-Profiling sits under a ``dsl.If`` inside its own sub-pipeline, ``profile-if-needed``, for two reasons:
+Both conditions sit inside sub-pipelines (``step-unless-done``, and ``profile-if-needed`` for
+profiling) for two reasons:
 - KFP forbids ``rollout.after(profiling)`` when profiling is inside a ``dsl.If`` and rollout is not
   (InvalidTopologyException); ``.after()`` on the sub-pipeline task is legal and waits for the
   profiling task when it runs;
@@ -35,28 +37,38 @@ def profile_if_needed(config: str, plan: str, need_profile: bool):
         on_cluster(profiling(config=config, plan=plan).set_caching_options(False), "profiling")
 
 
+@dsl.pipeline(name="step-unless-done", description="The step's stages, unless the arm is done.")
+def step_unless_done(config: str, plan: str, need_profile: bool, skip: bool):
+    with dsl.If(skip == False, name="arm-not-done"):  # noqa: E712 - a KFP condition, not Python
+        profile = profile_if_needed(config=config, plan=plan, need_profile=need_profile).set_caching_options(
+            False
+        )
+        roll = rollout(config=config, plan=plan).after(profile).set_caching_options(False)
+        reward = sandbox_reward(config=config, plan=plan, rollout=roll.output).set_caching_options(False)
+        judged = judge(config=config, plan=plan, rollout=roll.output).set_caching_options(False)
+        for task, component in ((roll, "rollout"), (reward, "sandbox_reward"), (judged, "judge")):
+            on_cluster(task, component)
+        train = training(
+            config=config, plan=plan, rollout=roll.output, reward=reward.output, judge=judged.output
+        ).set_caching_options(False)
+        on_cluster(train, "training")
+        commit = controller_commit(
+            config=config,
+            plan=plan,
+            rollout=roll.output,
+            reward=reward.output,
+            judge=judged.output,
+            train=train.output,
+        ).set_caching_options(False)
+        on_cluster(commit, "controller")
+
+
 @dsl.pipeline(name="rl-step", description="One synchronous on-policy RL step of one arm.")
 def rl_step(config: str, arm: str):
     plan = on_cluster(controller_plan(config=config, arm=arm).set_caching_options(False), "controller")
-    step_plan = plan.outputs["plan"]
-    profile = profile_if_needed(
-        config=config, plan=step_plan, need_profile=plan.outputs["need_profile"]
-    ).set_caching_options(False)
-    roll = rollout(config=config, plan=step_plan).after(profile).set_caching_options(False)
-    reward = sandbox_reward(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
-    judged = judge(config=config, plan=step_plan, rollout=roll.output).set_caching_options(False)
-    for task, component in ((roll, "rollout"), (reward, "sandbox_reward"), (judged, "judge")):
-        on_cluster(task, component)
-    train = training(
-        config=config, plan=step_plan, rollout=roll.output, reward=reward.output, judge=judged.output
-    ).set_caching_options(False)
-    on_cluster(train, "training")
-    commit = controller_commit(
+    step_unless_done(
         config=config,
-        plan=step_plan,
-        rollout=roll.output,
-        reward=reward.output,
-        judge=judged.output,
-        train=train.output,
+        plan=plan.outputs["plan"],
+        need_profile=plan.outputs["need_profile"],
+        skip=plan.outputs["skip"],
     ).set_caching_options(False)
-    on_cluster(commit, "controller")

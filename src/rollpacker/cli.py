@@ -1089,12 +1089,12 @@ def bench_whatif(
     error of rollout seconds per trained step per policy (docs/whatif.md)."""
     from rollpacker.bench.replay import bench_policies
     from rollpacker.bench.whatif.run import write_json
-    from rollpacker.bench.whatif.validate import ValidationConfig, parse_traces, render, validate
+    from rollpacker.bench.whatif.validate import WhatIfValidation, parse_traces, render, validate
     from rollpacker.core.paths import writable_file
 
     try:
         out = writable_file(out)
-        vc = ValidationConfig(
+        vc = WhatIfValidation(
             model=model,
             traces=parse_traces(traces),
             p0=p0,

@@ -10,13 +10,19 @@ Facts about kfp.local 2.17.0 this relies on (see pipelines/rl_step.py for the DA
 - tasks write to ``pipeline_root/<pipeline>-<time>/<task name>/``; the compiler names the tasks of
   step k's sub-pipeline ``<task>-k`` (``rollout-2``), so no step overwrites another's outputs;
 - a condition that cannot be resolved evaluates to false silently, so the run checks that every
-  step reached ``controller-commit``.
+  step reached ``controller-commit``, or that its plan reported the arm done (``skip``: the DAG
+  then runs nothing after the plan);
+- a task's outputs are in ``<task dir>/executor_output.json`` once it finished (the plan's
+  ``skip`` is read from there);
+- the two conditions of ``rl-step`` are both logged as ``condition-1``: a skipped one is the
+  arm-done gate when the step's plan reported ``skip``, else the profiling condition.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import re
 import textwrap
@@ -60,15 +66,31 @@ def task_kind(task: str) -> str:
 class _Console(io.TextIOBase):
     """A stand-in for stdout/stderr during the run: everything to the log, one line per task to echo."""
 
-    def __init__(self, log: TextIO, echo: Callable[[str], None], steps: int, arm: str) -> None:
+    def __init__(
+        self, log: TextIO, echo: Callable[[str], None], steps: int, arm: str, root: Path | None = None
+    ) -> None:
         super().__init__()
-        self.log, self.echo, self.steps, self.arm = log, echo, steps, arm
+        self.log, self.echo, self.steps, self.arm, self.root = log, echo, steps, arm, root
+        self.done_steps: set[int] = set()  # steps whose plan found the arm done (nothing else runs)
         self.step = 0
         self.current: str | None = None
         self.started = 0.0
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)  # the running (or last) task's output
         self.records: list[TaskRecord] = []
         self._partial = ""
+
+    def _arm_done(self, plan_task: str) -> bool:
+        """Whether the plan task that just finished reported ``skip`` (its newest output file)."""
+        if self.root is None:
+            return False
+        found = list(self.root.glob(f"*/{plan_task}/executor_output.json"))
+        if not found:
+            return False
+        newest = max(found, key=lambda p: p.stat().st_mtime)
+        try:
+            return bool(json.loads(newest.read_text())["parameterValues"]["skip"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def writable(self) -> bool:
         return True
@@ -99,14 +121,19 @@ class _Console(io.TextIOBase):
             rec = TaskRecord(self.step, m.group(1), m.group(2), time.monotonic() - self.started)
             self.records.append(rec)
             self.current = None
+            if task_kind(rec.task) == PLAN_TASK and rec.status == "SUCCESS" and self._arm_done(rec.task):
+                self.done_steps.add(rec.step)
             where = f"step {rec.step}/{self.steps}" if rec.step else "setup"  # prepare-model: before step 1
             self.echo(
                 f"[kfp] {self.arm} {where} {task_kind(rec.task):<18} {rec.status:<7} {rec.seconds:6.1f} s"
             )
         elif m := _SKIP.search(line):
-            # the one condition of rl-step guards profiling
-            what = "profiling" if m.group(1).startswith("condition") else m.group(1)
-            self.echo(f"[kfp] {self.arm} step {self.step}/{self.steps} {what:<18} skipped (not needed)")
+            head = f"[kfp] {self.arm} step {self.step}/{self.steps}"
+            if self.step in self.done_steps:  # the gate after the plan
+                self.echo(f"{head} {'the other stages':<18} skipped (the arm's steps are all committed)")
+            else:  # the profiling condition
+                what = "profiling" if m.group(1).startswith("condition") else m.group(1)
+                self.echo(f"{head} {what:<18} skipped (not needed)")
         elif self.current is not None and line.strip():
             self.tail.append(line)
 
@@ -165,7 +192,7 @@ def run_arm_kfp(
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root))
     say(f"[kfp] {arm}: {steps} step(s) through kfp.local; full log: {log_path}")
     with log_path.open("w", encoding="utf-8") as log:
-        console = _Console(log=log, echo=say, steps=steps, arm=arm)
+        console = _Console(log=log, echo=say, steps=steps, arm=arm, root=pipeline_root)
         t0 = time.monotonic()
         try:
             with _captured(console), _task_temp_dir(), warnings.catch_warnings():
@@ -182,10 +209,11 @@ def run_arm_kfp(
         finally:
             log.flush()
     commits = sum(1 for r in console.records if task_kind(r.task) == COMMIT_TASK and r.status == "SUCCESS")
-    if commits != steps:
+    if commits + len(console.done_steps) != steps:
         raise RollpackerError(
             f"kfp.local finished arm {arm!r} but only {commits} of {steps} step(s) reached "
-            f"{COMMIT_TASK}; read {log_path} for skipped or missing tasks"
+            f"{COMMIT_TASK} ({len(console.done_steps)} found the arm done); read {log_path} for "
+            "skipped or missing tasks"
         )
     say(f"[kfp] {arm}: {steps} step(s) done in {time.monotonic() - t0:.1f} s")
     return console.records

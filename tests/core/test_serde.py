@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import pytest
 from hypothesis import given
@@ -88,3 +89,36 @@ def test_an_int_is_a_float_but_a_float_is_not_an_int() -> None:
     m = Outer.from_json(_doc(x=3))
     assert m.x == 3.0 and isinstance(m.x, float)
     assert from_data(Inner, {"name": "a", "n": 2}) == Inner("a", 2)
+
+
+V = TypeVar("V", bound=Message)
+
+
+@dataclass(frozen=True)
+class Boxed(Message, Generic[V]):
+    """A generic message: its ``value`` is read as the type it is parametrised with."""
+
+    value: V
+    note: str
+
+
+@dataclass(frozen=True)
+class HoldsBoxes(Message):
+    inner: Boxed[Inner]
+    ticket: Boxed[Outer] | None = None
+
+
+def test_a_generic_message_is_read_as_its_parametrised_type() -> None:
+    m = HoldsBoxes(Boxed(Inner("p", 1), "n"))
+    assert HoldsBoxes.from_json(m.to_json()) == m
+    assert from_data(Boxed[Inner], to_data(Boxed(Inner("q", 2), "x"))) == Boxed(Inner("q", 2), "x")
+    doc = json.loads(m.to_json())
+    doc["inner"]["value"]["n"] = "one"
+    with pytest.raises(MessageError, match=r"HoldsBoxes\.inner\.value\.n: expected int"):
+        HoldsBoxes.from_json(json.dumps(doc))
+    with pytest.raises(MessageError, match=r"Boxed\.value: type ~V unknown"):
+        Boxed.from_json(to_data_json(Boxed(Inner("q", 2), "x")))
+
+
+def to_data_json(m: Message) -> str:
+    return json.dumps(to_data(m))

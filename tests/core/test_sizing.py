@@ -7,8 +7,8 @@ import pytest
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.sizing import (
     SHIPPED,
-    Layout,
-    ModelSpec,
+    CheckpointPlan,
+    ModelSize,
     Volumes,
     check,
     checkpoint_bytes,
@@ -41,33 +41,34 @@ def test_parse_quantity_refuses_anything_else(text: str) -> None:
 
 
 def test_a_checkpoint_is_16_bytes_per_parameter() -> None:
-    assert checkpoint_bytes(ModelSpec("m", 10**9)) == 16 * 10**9
+    assert checkpoint_bytes(ModelSize("m", 10**9)) == 16 * 10**9
 
 
 def test_required_grows_with_parameters_keep_and_arms() -> None:
-    base = required(SEVEN, Layout(arms=1, keep=1))
+    base = required(SEVEN, CheckpointPlan(arms=1, keep=1))
     for bigger in (
-        required(SHIPPED[1], Layout(1, 1)),
-        required(SEVEN, Layout(1, 2)),
-        required(SEVEN, Layout(2, 1)),
+        required(SHIPPED[1], CheckpointPlan(1, 1)),
+        required(SEVEN, CheckpointPlan(1, 2)),
+        required(SEVEN, CheckpointPlan(2, 1)),
     ):
         assert bigger.store > base.store
-    assert required(SHIPPED[2], Layout(1, 1)).training_scratch > base.training_scratch
+    assert required(SHIPPED[2], CheckpointPlan(1, 1)).training_scratch > base.training_scratch
     ck = checkpoint_bytes(SEVEN)
     assert min(base.store, base.training_scratch, base.rollout_scratch) > ck
     assert (
-        required(SEVEN, Layout(1, 1, staged=False)).training_scratch == base.training_scratch - ck * 11 // 10
+        required(SEVEN, CheckpointPlan(1, 1, staged=False)).training_scratch
+        == base.training_scratch - ck * 11 // 10
     )
 
 
 def test_check_names_each_small_volume_and_passes_big_ones() -> None:
-    need = required(SEVEN, Layout(2, 2))
+    need = required(SEVEN, CheckpointPlan(2, 2))
     fits = Volumes((need.store, "s"), (need.training_scratch, "t"), (need.rollout_scratch, "r"))
-    assert check(SEVEN, Layout(2, 2), fits) == []
+    assert check(SEVEN, CheckpointPlan(2, 2), fits) == []
     short = Volumes(
         (need.store - 1, "MinIO"), (need.training_scratch, "t"), (need.rollout_scratch - 1, "rollout /tmp")
     )
-    found = check(SEVEN, Layout(2, 2), short)
+    found = check(SEVEN, CheckpointPlan(2, 2), short)
     assert [f.split(" is ")[0] for f in found] == ["Qwen2.5-7B: MinIO", "Qwen2.5-7B: rollout /tmp"]
     assert all("set it to at least" in f for f in found)
 
@@ -75,4 +76,4 @@ def test_check_names_each_small_volume_and_passes_big_ones() -> None:
 @pytest.mark.parametrize(("arms", "keep"), [(0, 1), (1, 0), (True, 1)])
 def test_layout_refuses_non_positive_counts(arms: int, keep: int) -> None:
     with pytest.raises(ConfigError, match="must be a positive integer"):
-        Layout(arms=arms, keep=keep)
+        CheckpointPlan(arms=arms, keep=keep)

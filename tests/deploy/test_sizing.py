@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollpacker.core.config import load_config
-from rollpacker.core.sizing import SHIPPED, Layout, Volumes, check, gib, parse_quantity, required
+from rollpacker.core.sizing import SHIPPED, CheckpointPlan, Volumes, check, gib, parse_quantity, required
 
 CACHE_ENV = "ROLLPACKER_CACHE"
 
@@ -42,14 +42,14 @@ def volumes(docs: list[dict[str, Any]]) -> Volumes:
 
 
 @pytest.fixture(scope="module")
-def cluster(root: Path) -> tuple[Any, Layout]:
+def cluster(root: Path) -> tuple[Any, CheckpointPlan]:
     cfg = load_config(root / "manifests" / "experiment.yaml")
     [spec] = [s for s in SHIPPED if s.name == Path(cfg.model.model_dir).name]
-    return spec, Layout(arms=len(cfg.arms), keep=cfg.checkpoint.keep, staged=True)
+    return spec, CheckpointPlan(arms=len(cfg.arms), keep=cfg.checkpoint.keep, staged=True)
 
 
 def test_the_gpu_overlay_holds_the_7b_checkpoints(
-    rendered: dict[str, Any], cluster: tuple[Any, Layout]
+    rendered: dict[str, Any], cluster: tuple[Any, CheckpointPlan]
 ) -> None:
     spec, layout = cluster
     assert spec.name == "Qwen2.5-7B" and layout.arms == 2
@@ -57,7 +57,7 @@ def test_the_gpu_overlay_holds_the_7b_checkpoints(
 
 
 def test_the_overlay_as_it_was_fails_naming_each_volume(
-    rendered: dict[str, Any], cluster: tuple[Any, Layout]
+    rendered: dict[str, Any], cluster: tuple[Any, CheckpointPlan]
 ) -> None:
     """The sizes before this check: /tmp 20Gi on the training and rollout groups, MinIO 500Gi."""
     docs = copy.deepcopy(rendered["gpu"])
@@ -96,9 +96,9 @@ def test_the_operations_doc_gives_the_sizes_the_check_computes(root: Path) -> No
     assert set(rows) == {s.name for s in SHIPPED}
     for spec in SHIPPED:
         for keep, col in ((2, 1), (1, 2)):
-            need = required(spec, Layout(arms=2, keep=keep, staged=True))
+            need = required(spec, CheckpointPlan(arms=2, keep=keep, staged=True))
             assert rows[spec.name][col] == gib(need.store), (spec.name, keep)
-        need = required(spec, Layout(arms=2, keep=2, staged=True))
+        need = required(spec, CheckpointPlan(arms=2, keep=2, staged=True))
         assert rows[spec.name][3] == gib(need.training_scratch), spec.name
         assert rows[spec.name][4] == gib(need.rollout_scratch), spec.name
         assert re.fullmatch(r"\d+ GiB", rows[spec.name][0]), spec.name

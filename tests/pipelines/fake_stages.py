@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def plan(config: str, arm: str) -> PlanOutput:
     _enter("plan", config=config, arm=arm)
     state = _state()
     step = int(state.read_text()) if state is not None and state.exists() else 0
-    return PlanOutput(json.dumps({"arm": arm, "step": step}), step, step == 0, False)
+    done = re.search(r"^steps: (\d+)$", config, re.M)  # the arm is done at config.steps
+    skip = done is not None and step >= int(done.group(1))
+    return PlanOutput(json.dumps({"arm": arm, "step": step}), step, step == 0, skip)
 
 
 def profile(config: str, plan: str) -> str:

@@ -9,15 +9,11 @@ import yaml
 from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 
-STEP_TASKS = {
-    "controller-plan",
-    "profile-if-needed",
-    "rollout",
-    "sandbox-reward",
-    "judge",
-    "training",
-    "controller-commit",
-}
+# rl-step: the plan, then the gate (``step-unless-done``: a condition on the plan's ``skip``)
+# holding every other stage
+STEP_TASKS = {"controller-plan", "step-unless-done"}
+GATED_TASKS = {"profile-if-needed", "rollout", "sandbox-reward", "judge", "training", "controller-commit"}
+SKIP_CONDITION = "inputs.parameter_values['pipelinechannel--skip'] == false"
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -78,3 +74,9 @@ def containers(spec: pipeline_spec_pb2.PipelineSpec) -> dict[str, dict[str, Any]
     """executor label -> its container spec, as a dict."""
     execs = json_format.MessageToDict(spec.deployment_spec)["executors"]
     return {label: e["container"] for label, e in execs.items()}
+
+
+def gated(spec: pipeline_spec_pb2.PipelineSpec, gate: Any) -> tuple[Any, Any]:
+    """The gate task's one condition task and the tasks under that condition."""
+    (cond,) = dag_of(spec, gate.component_ref.name).tasks.values()
+    return cond, dag_of(spec, cond.component_ref.name).tasks

@@ -15,12 +15,15 @@ from rollpacker.core.errors import ConfigError
 from rollpacker.pipeline_compile import compile_pipelines, load_pipeline_modules, repo_root, steps_from_config
 from tests.pipelines.conftest import STEPS
 from tests.pipelines.spec import (
+    GATED_TASKS,
+    SKIP_CONDITION,
     STEP_TASKS,
     all_dag_tasks,
     ancestors,
     containers,
     dag_of,
     executor_of,
+    gated,
     load_docs,
     load_spec,
     parse_strict,
@@ -62,7 +65,7 @@ def test_both_files_written_and_parse_strictly(compiled: dict[str, Path]) -> Non
 
 def test_planted_unknown_field_fails_the_strict_parse(compiled: dict[str, Path], tmp_path: Path) -> None:
     docs = load_docs(compiled["rl_step"])
-    docs[0]["root"]["dag"]["tasks"]["rollout"]["retryPolicyy"] = {"maxRetryCount": 1}
+    docs[0]["root"]["dag"]["tasks"]["controller-plan"]["retryPolicyy"] = {"maxRetryCount": 1}
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump_all(docs))
     with pytest.raises(json_format.ParseError, match="retryPolicyy"):
@@ -79,43 +82,67 @@ def test_planted_unknown_field_in_platform_doc_fails(compiled: dict[str, Path]) 
 
 
 def test_rl_step_has_every_stage_in_order(compiled: dict[str, Path]) -> None:
-    tasks = load_spec(compiled["rl_step"]).root.dag.tasks
-    assert set(tasks) == STEP_TASKS
+    spec = load_spec(compiled["rl_step"])
+    root = spec.root.dag.tasks
+    assert set(root) == STEP_TASKS
+    assert ancestors(root, "step-unless-done") == {"controller-plan"}
+    _cond, tasks = gated(spec, root["step-unless-done"])
+    assert set(tasks) == GATED_TASKS
     before = {name: ancestors(tasks, name) for name in tasks}
-    assert before["controller-plan"] == set()
-    assert before["profile-if-needed"] == {"controller-plan"}
-    assert {"controller-plan", "profile-if-needed"} <= before["rollout"]
+    assert before["profile-if-needed"] == set()
+    assert "profile-if-needed" in before["rollout"]
     assert "rollout" in before["sandbox-reward"] and "rollout" in before["judge"]
     assert {"sandbox-reward", "judge"} <= before["training"]
-    assert before["controller-commit"] == STEP_TASKS - {"controller-commit"}
+    assert before["controller-commit"] == GATED_TASKS - {"controller-commit"}
     assert not any("controller-commit" in b for b in before.values()), "commit must be last"
     # the two reward stages do not wait for each other
     assert "judge" not in before["sandbox-reward"] and "sandbox-reward" not in before["judge"]
 
 
+def test_every_stage_after_the_plan_runs_only_when_the_arm_is_not_done(compiled: dict[str, Path]) -> None:
+    spec = load_spec(compiled["rl_step"])
+    root = spec.root.dag.tasks
+    assert all(not t.trigger_policy.condition for t in root.values())
+    cond, tasks = gated(spec, root["step-unless-done"])
+    assert cond.trigger_policy.condition == SKIP_CONDITION and set(tasks) == GATED_TASKS
+    skip = root["step-unless-done"].inputs.parameters["skip"].task_output_parameter
+    assert (skip.producer_task, skip.output_parameter_key) == ("controller-plan", "skip")
+    # no stage after the plan sits outside the gate
+    outside = [(d, n) for d, n, t in all_dag_tasks(spec) if n in GATED_TASKS and d != cond.component_ref.name]
+    assert outside == []
+
+
 def test_rl_step_data_flows_between_stages(compiled: dict[str, Path]) -> None:
-    tasks = load_spec(compiled["rl_step"]).root.dag.tasks
+    spec = load_spec(compiled["rl_step"])
+    root = spec.root.dag.tasks
+    _cond, tasks = gated(spec, root["step-unless-done"])
 
     def producer(task: str, param: str) -> tuple[str, str]:
         p = tasks[task].inputs.parameters[param].task_output_parameter
         return p.producer_task, p.output_parameter_key
 
-    assert producer("rollout", "plan") == ("controller-plan", "plan")
-    assert producer("profile-if-needed", "need_profile") == ("controller-plan", "need_profile")
+    for param in ("plan", "need_profile", "skip"):  # the plan's outputs go in through the gate
+        p = root["step-unless-done"].inputs.parameters[param].task_output_parameter
+        assert (p.producer_task, p.output_parameter_key) == ("controller-plan", param)
+    for task in GATED_TASKS:
+        assert tasks[task].inputs.parameters["plan"].component_input_parameter == "pipelinechannel--plan"
+        assert tasks[task].inputs.parameters["config"].component_input_parameter == "pipelinechannel--config"
+    assert tasks["profile-if-needed"].inputs.parameters["need_profile"].component_input_parameter == (
+        "pipelinechannel--need_profile"
+    )
     assert producer("training", "reward") == ("sandbox-reward", "Output")
     assert producer("training", "judge") == ("judge", "Output")
     assert producer("controller-commit", "train") == ("training", "Output")
-    for task in STEP_TASKS - {"controller-plan"}:
-        assert tasks[task].inputs.parameters["config"].component_input_parameter == "config"
-    assert tasks["controller-plan"].inputs.parameters["arm"].component_input_parameter == "arm"
+    assert root["step-unless-done"].inputs.parameters["config"].component_input_parameter == "config"
+    assert root["controller-plan"].inputs.parameters["arm"].component_input_parameter == "arm"
 
 
 def test_profiling_runs_only_under_the_need_profile_condition(compiled: dict[str, Path]) -> None:
     spec = load_spec(compiled["rl_step"])
-    root = spec.root.dag.tasks
-    # no stage of the step itself is conditional
-    assert all(not t.trigger_policy.condition for t in root.values())
-    sub = dag_of(spec, root["profile-if-needed"].component_ref.name).tasks
+    _gate, tasks = gated(spec, spec.root.dag.tasks["step-unless-done"])
+    # no stage under the gate is conditional itself
+    assert all(not t.trigger_policy.condition for t in tasks.values())
+    sub = dag_of(spec, tasks["profile-if-needed"].component_ref.name).tasks
     assert len(sub) == 1
     (cond,) = sub.values()
     assert cond.trigger_policy.condition == "inputs.parameter_values['pipelinechannel--need_profile'] == true"
@@ -131,7 +158,7 @@ def test_caching_off_and_no_retries_on_every_task(compiled: dict[str, Path]) -> 
     for path in compiled.values():
         spec = load_spec(path)
         tasks = all_dag_tasks(spec)
-        assert len(tasks) >= len(STEP_TASKS)
+        assert len(tasks) >= len(STEP_TASKS | GATED_TASKS)
         for dag, name, task in tasks:
             assert not task.caching_options.enable_cache, f"{path.name}: {dag}/{name} caches"
             assert task.retry_policy.max_retry_count == 0, f"{path.name}: {dag}/{name} retries"
@@ -156,6 +183,8 @@ def test_rl_experiment_chains_n_step_subdags_in_order(compiled: dict[str, Path])
     for name in chain[1:]:
         sub = dag_of(spec, tasks[name].component_ref.name).tasks
         assert {re.sub(r"-\d+$", "", n) for n in sub} == STEP_TASKS
+        gate = next(t for n, t in sub.items() if n.startswith("step-unless-done"))
+        assert {re.sub(r"-\d+$", "", n) for n in gated(spec, gate)[1]} == GATED_TASKS
         assert tasks[name].inputs.parameters["config"].component_input_parameter == "config"
         assert tasks[name].inputs.parameters["arm"].component_input_parameter == "arm"
     assert set(spec.root.input_definitions.parameters) == {"config", "arm"}

@@ -90,3 +90,12 @@ def test_a_failing_task_is_named_with_its_step_and_log(fake_stages_in_tasks: Pat
 def test_zero_steps_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RollpackerError, match="at least one step"):
         run_arm_kfp("", "sync", 0, tmp_path)
+
+
+def test_a_step_past_the_arms_last_runs_only_its_plan(fake_stages_in_tasks: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
+    records = run_arm_kfp("steps: 1\n", "sync", 2, tmp_path / "root", echo=lines.append)
+    assert fake_stages_in_tasks.read_text() == "1"  # one commit: the second plan found the arm done
+    assert [task_kind(r.task) for r in records if r.step == 2] == ["controller-plan"]
+    assert sum("all committed" in line and "skipped" in line for line in lines) == 1, lines
+    assert not any("profiling" in line and "skipped" in line and "step 2/" in line for line in lines)

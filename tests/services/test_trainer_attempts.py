@@ -38,13 +38,13 @@ def test_a_newer_attempt_stops_an_older_finish_that_still_waits_for_its_groups(
     svc.begin("old", state, base)
     # the old attempt's update was begun at its round's end; its groups never all arrive (the
     # reward task died), and a re-run of the same step expects the very same prompts
-    svc.start("finish:old", "finish", ("old", 0, ("p1", "p2"), "t/ckpt/old/", "t/batch/old"))
+    ticket = svc.begin_update("old", 0, ("p1", "p2"), "t/ckpt/old/", "t/batch/old")
     time.sleep(0.3)
     t0 = time.monotonic()
     svc.begin("new", state, base)
     assert time.monotonic() - t0 < 10  # begin did not wait for the old finish's 1800 s timeout
     with pytest.raises(TrainerError, match="superseded by attempt new"):
-        svc._started["finish:old"].result(timeout=10)  # at once, not at the 1800 s call timeout
+        svc._started[ticket.key][1].result(timeout=10)  # at once, not at the 1800 s call timeout
     assert svc._attempt == "new" and svc.trainer.policy_version == 0  # nothing was updated
     svc.close()
 
@@ -64,7 +64,7 @@ def test_begin_waits_for_an_older_update_in_flight_then_restores_the_state(
 
     svc._update = slow_update
     svc.submit("old", "g0", _group("g0", 0))
-    svc.start("finish:old", "finish", ("old", 0, ("g0",), "t/ckpt/old/", "t/batch/old"))
+    ticket = svc.begin_update("old", 0, ("g0",), "t/ckpt/old/", "t/batch/old")
     assert entered.wait(10)
     done = threading.Event()
     threading.Thread(target=lambda: (svc.begin("new", state, base), done.set()), daemon=True).start()
@@ -72,7 +72,7 @@ def test_begin_waits_for_an_older_update_in_flight_then_restores_the_state(
     assert not done.is_set()  # the new attempt waits for the update in flight
     release.set()
     assert done.wait(30)
-    assert svc.collect("finish:old").value.policy_version == 1  # the old update ran to its end...
+    assert svc.collect(ticket).value.policy_version == 1  # the old update ran to its end...
     assert svc.trainer.policy_version == state.policy_version  # ...and the new attempt restored the state
     svc.close()
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rollpacker.bench.whatif.validate import ValidationConfig, compare, mae, parse_traces, render
+from rollpacker.bench.whatif.validate import WhatIfValidation, compare, mae, parse_traces, render
 from rollpacker.core.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ def test_a_short_validation_on_the_real_engine() -> None:
     simulator's seconds per step are within 50 % of the engine's for sync and tail batching."""
     from rollpacker.bench.whatif.validate import validate
 
-    vc = ValidationConfig(
+    vc = WhatIfValidation(
         traces=(("smoke", 1),), p0=4, r0=4, max_tokens=64, periods=1, concurrency=32, kv_cache_gib=1,
         policies=("sync", "tail_batching"), batches=(1, 4, 16, 32), contexts=(16, 64, 128), window=8,
     )  # fmt: skip

@@ -5,7 +5,9 @@ every field against the dataclass's type hints. A message type inherits ``Messag
 ``to_json`` / ``from_json``.
 
 Supported field types: ``bool``, ``int``, ``float``, ``str``, enums (by value), nested
-dataclasses, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` and ``X | None``.
+dataclasses, ``tuple[X, ...]``, ``tuple[X, Y]``, ``dict[str, X]`` and ``X | None``. A generic
+dataclass is read through its parametrised type (``Collected[RoundReport]``): a field typed with
+the class's own type variable is read as the argument given for it.
 
 Invariants (tests/core/test_serde.py):
 - ``from_json(to_json(m)) == m`` for every message;
@@ -58,7 +60,7 @@ def from_data(cls: type[T], data: Any, where: str = "") -> T:
     return typing.cast(T, _read(cls, data, where or cls.__name__))
 
 
-def _read_dataclass(cls: type, data: Any, where: str) -> Any:
+def _read_dataclass(cls: type, data: Any, where: str, bound: dict[Any, Any] | None = None) -> Any:
     if not isinstance(data, dict):
         raise MessageError(f"{where}: expected an object, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -72,7 +74,12 @@ def _read_dataclass(cls: type, data: Any, where: str) -> Any:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{where}: missing field {name!r}")
             continue
-        kw[name] = _read(hints[name], data[name], f"{where}.{name}")
+        hint = hints[name]
+        if isinstance(hint, TypeVar):
+            if bound is None or hint not in bound:
+                raise MessageError(f"{where}.{name}: type {hint} unknown; read {cls.__name__}[...] instead")
+            hint = bound[hint]
+        kw[name] = _read(hint, data[name], f"{where}.{name}")
     try:
         return cls(**kw)
     except (TypeError, ValueError) as e:
@@ -83,6 +90,9 @@ def _read(tp: Any, data: Any, where: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _read_dataclass(tp, data, where)
+    if dataclasses.is_dataclass(origin) and isinstance(origin, type):  # a generic message, parametrised
+        params = getattr(origin, "__parameters__", ())
+        return _read_dataclass(origin, data, where, dict(zip(params, typing.get_args(tp), strict=True)))
     if origin in (Union, types.UnionType):
         return _read_union(typing.get_args(tp), data, where)
     if origin is tuple:

@@ -59,7 +59,7 @@ _QUANTITY = re.compile(r"([0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)(|k|M|G|T|P|Ki|Mi|G
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSize:
     """A shipped model size: its name and parameter count (Qwen2.5 family, the paper's)."""
 
     name: str
@@ -70,14 +70,14 @@ class ModelSpec:
 
 
 SHIPPED = (
-    ModelSpec("Qwen2.5-7B", 7_615_616_512),
-    ModelSpec("Qwen2.5-14B", 14_770_033_664),
-    ModelSpec("Qwen2.5-32B", 32_763_876_352),
+    ModelSize("Qwen2.5-7B", 7_615_616_512),
+    ModelSize("Qwen2.5-14B", 14_770_033_664),
+    ModelSize("Qwen2.5-32B", 32_763_876_352),
 )
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointPlan:
     """What the bytes depend on besides the model: arms at once, checkpoints kept, staging."""
 
     arms: int
@@ -98,12 +98,12 @@ class Need:
     rollout_scratch: int
 
 
-def checkpoint_bytes(spec: ModelSpec) -> int:
+def checkpoint_bytes(spec: ModelSize) -> int:
     """One step checkpoint: the distributed checkpoint and the HF copy."""
     return spec.params * (DIST_BYTES_PER_PARAM + HF_BYTES_PER_PARAM)
 
 
-def required(spec: ModelSpec, layout: Layout) -> Need:
+def required(spec: ModelSize, layout: CheckpointPlan) -> Need:
     ck, base = checkpoint_bytes(spec), spec.params * HF_BYTES_PER_PARAM
     per_arm = base + (layout.keep + 2) * ck  # kept + the step's own + a failed attempt's
     training = (ck if layout.staged else 0) + base + ck  # staging + the restore cache
@@ -127,7 +127,7 @@ class Volumes:
     rollout_scratch: tuple[int, str]
 
 
-def check(spec: ModelSpec, layout: Layout, volumes: Volumes) -> list[str]:
+def check(spec: ModelSize, layout: CheckpointPlan, volumes: Volumes) -> list[str]:
     """One message per volume too small for ``spec`` under ``layout``."""
     need = required(spec, layout)
     ck = checkpoint_bytes(spec)

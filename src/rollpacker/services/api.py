@@ -5,26 +5,27 @@ proxies (``services.registry``) over a Ray actor or an object in this process. E
 frozen dataclass (``core.serde.Message``), so what crosses a process edge is checked field by field.
 
 When each method is called, per step (one *attempt* = one try of a step; a re-run is a new one).
-Two calls are *begun* by one stage and *awaited* by a later one, so that the next KFP task's
-process start-up overlaps the work (docs/pipeline.md, "Overhead"): the round (``run_round``) and
-the update (``finish``). Which stage begins and which awaits:
+Two calls run ahead of the stage that needs them: ``begin_*`` starts the work in a thread of the
+service and returns a typed ticket (``Pending[RoundReport]``, ``Pending[TrainReport]``) that travels
+in the stage messages, across KFP edges; the stage that needs the result hands it to the same
+service's ``collect``, which waits for it (the sync points; ``stages/run.py`` marks them):
 
     plan stage      rollout.sync(state)             serve the committed weights
                     rollout.plan(state, step)       the round the policy would run
                     trainer.begin / reward.begin    forget older attempts, restore committed state
-                    begin rollout.run_round(...)    the round starts in the rollout service (when a
-                                                    profile is due, the rollout stage begins it)
-    rollout stage   await the round                 its RoundReport; during the round the rollout
-                        service casts reward.score / reward.group, and the reward service casts
-                        trainer.submit; with rollout.dynamic_sampling it calls
+                    rollout.begin_round(...)        -> Pending[RoundReport] (when no profile is due;
+                        else the rollout stage begins it after profiling); during the round the
+                        rollout service casts reward.score / reward.group, and the reward service
+                        casts trainer.submit; with rollout.dynamic_sampling it calls
                         reward.group_rewards for each complete group first (the round keeps or
-                        drops it on its rewards); with rollout.scale_down the rollout service
-                        calls trainer.repurpose once when it frees engine replicas (the trainer
-                        gives them back in finish)
-                    begin trainer.finish(...)       the one update; it waits for the step's last
-                                                    rewarded groups itself
+                        drops it on its rewards); with rollout.scale_down the rollout service calls
+                        trainer.repurpose once when it frees engine replicas (the trainer gives them
+                        back in finish)
+    rollout stage   rollout.collect(round)          wait for the round: its RoundReport and span
+                    trainer.begin_update(...)       -> Pending[TrainReport]: the one update begins
+                        now (it waits for the step's last rewarded groups itself)
     drain stages    reward.drain(...)               wait for the step's rewards, report them
-    train stage     await the update                its TrainReport: update, checkpoint, weight push
+    train stage     trainer.collect(update)         wait for the update: checkpoint, weight push
                     rollout.validate(...)           when validation is due
 
 tests/test_docs.py checks that every ``role.method`` named here and in docs/architecture.md is a
@@ -34,7 +35,7 @@ method of that role's Protocol.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from rollpacker.core.advantages import TrainSample
 from rollpacker.core.prompts import CursorState
@@ -44,6 +45,7 @@ from rollpacker.core.types import Group, Role, RoundKind
 from rollpacker.core.weight_sync import TransferGroup
 
 Anchors = tuple[tuple[str, float], ...]  # the sandbox's timeout anchors: (test case, seconds)
+R = TypeVar("R", bound=Message)  # what a call begun ahead returns
 
 
 # -- payloads -------------------------------------------------------------------------------------
@@ -237,20 +239,32 @@ class ServiceAPI(Protocol):
 
     def close(self) -> None: ...
 
-    def start(self, key: str, method: str, args: tuple[Any, ...]) -> None:
-        """Begin ``<method>(*args)`` of this service now, in a thread of its own, and return: a
-        stage starts the step's next piece of work before the KFP task that waits for it exists
-        (its process start-up then overlaps the work). Starting a key twice is a no-op."""
 
-    def collect(self, key: str) -> Collected:
-        """Wait for the call started under ``key``: its result (or its exception), with when it ran."""
+# -- calls begun ahead of the stage that waits for them ------------------------------------------
+@dataclass(frozen=True)
+class Pending(Message, Generic[R]):
+    """A call a service began and nobody has collected yet: a ticket, not the work. It is plain
+    data, so it crosses process and KFP edges inside the stage messages; the stage that needs the
+    result hands it to the same service's ``collect``. ``R`` is the result's type
+    (``begin_round`` gives a ``Pending[RoundReport]``); ``result`` names it, checked at collection."""
+
+    service: str  # the role of the service running the call: "rollout", "trainer"
+    call: str  # what runs: "round", "update"
+    attempt: str
+    result: str  # the result's message type, by name
+    begun_wall: float
+
+    @property
+    def key(self) -> str:
+        """What the service keeps the running call under (one per call and attempt)."""
+        return f"{self.call}:{self.attempt}"
 
 
 @dataclass(frozen=True)
-class Collected:
-    """The result of a call begun with ``ServiceAPI.start``, and when it ran (wall clock)."""
+class Collected(Message, Generic[R]):
+    """The result of a call begun ahead (``Pending[R]``), and when it ran (wall clock)."""
 
-    value: Any
+    value: R
     start_wall: float
     end_wall: float
 
@@ -263,6 +277,13 @@ class RolloutAPI(Protocol):
     def plan(self, state: ControllerState, step: int) -> RoundPlan: ...
 
     def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport: ...
+
+    def begin_round(self, state: ControllerState, step: int, attempt: str) -> Pending[RoundReport]:
+        """``run_round`` begun now, in a thread of the service; returns at once. Beginning the same
+        attempt's round again returns the first ticket (it runs once)."""
+
+    def collect(self, ticket: Pending[RoundReport]) -> Collected[RoundReport]:
+        """Wait for the round ``ticket`` names: its report (or its exception), and its span."""
 
     def validate(self, step: int, attempt: str) -> Validation: ...
 
@@ -320,6 +341,15 @@ class TrainerAPI(Protocol):
     def finish(
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
     ) -> TrainReport: ...
+
+    def begin_update(
+        self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
+    ) -> Pending[TrainReport]:
+        """``finish`` begun now, in a thread of the service (it waits for the step's last groups
+        itself); returns at once. Beginning the same attempt's update again returns the first ticket."""
+
+    def collect(self, ticket: Pending[TrainReport]) -> Collected[TrainReport]:
+        """Wait for the update ``ticket`` names: its report (or its exception), and its span."""
 
     def holds(self, checkpoint_uri: str) -> bool:
         """Whether the trainer's memory holds exactly the weights and optimizer state

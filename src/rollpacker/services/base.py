@@ -14,17 +14,21 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TypeVar, cast
 
 from rollpacker.core.config import StoreConfig, arm_config
 from rollpacker.core.errors import RollpackerError
+from rollpacker.core.serde import Message
 from rollpacker.core.types import Role, parse_enum
-from rollpacker.services.api import Collected, Peers
+from rollpacker.services.api import Collected, Peers, Pending
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.tasks.dataset_store import local_dataset, readable_here
+
+R = TypeVar("R", bound=Message)
 
 
 class ServiceError(RollpackerError):
@@ -46,7 +50,7 @@ class Service:
         self.cfg = arm_config(config_text, arm)
         self._digest = config_digest(config_text)
         self._peers: Peers | None = None
-        self._started: OrderedDict[str, Future[Collected]] = OrderedDict()
+        self._started: OrderedDict[str, tuple[Pending[Message], Future[Collected[Message]]]] = OrderedDict()
         self._started_lock = threading.Lock()
         self._dataset: str | None = None
 
@@ -66,45 +70,63 @@ class Service:
             raise ServiceError(f"{self.role} service used before the registry bound its peers")
         return self._peers
 
-    # calls begun ahead of the stage that waits for them (ServiceAPI.start / collect)
+    # calls begun ahead of the stage that waits for them (``begin_*`` -> Pending, ``collect``)
     MAX_STARTED = 8  # uncollected calls kept (a stage that died never collects its own)
 
-    def start(self, key: str, method: str, args: tuple[Any, ...]) -> None:
+    def _run_ahead(self, call: str, attempt: str, result: type[R], work: Callable[[], R]) -> Pending[R]:
+        """Run ``work`` now in a thread of its own and return its ticket: a stage begins the step's
+        next piece of work before the KFP task that waits for it exists (its process start-up then
+        overlaps the work). Beginning the same call of the same attempt again returns the first
+        ticket and runs nothing."""
+        ticket = Pending[R](self.role, call, attempt, result.__name__, time.time())
         with self._started_lock:
-            if key in self._started:
-                return
-            fut: Future[Collected] = Future()
-            self._started[key] = fut
+            if ticket.key in self._started:
+                return cast(Pending[R], self._started[ticket.key][0])
+            fut: Future[Collected[Message]] = Future()
+            self._started[ticket.key] = (cast(Pending[Message], ticket), fut)
             while len(self._started) > self.MAX_STARTED:
                 self._started.popitem(last=False)
-        fn = getattr(self, method)
 
         def run() -> None:
             t0 = time.time()
             try:
-                value = fn(*args)
+                value = work()
             except BaseException as e:  # handed to the collector, raised there
                 fut.set_exception(e)
             else:
                 fut.set_result(Collected(value, t0, time.time()))
 
-        threading.Thread(target=run, name=f"{self.role}-{method}", daemon=True).start()
+        threading.Thread(target=run, name=f"{self.role}-{call}", daemon=True).start()
+        return ticket
 
-    def collect(self, key: str) -> Collected:
-        with self._started_lock:
-            fut = self._started.get(key)
-        if fut is None:
+    def collect(self, ticket: Pending[R]) -> Collected[R]:
+        """Wait for the call ``ticket`` names: its result (or its exception), with when it ran.
+        Each ticket is collected once."""
+        if ticket.service != self.role:
             raise ServiceError(
-                f"{self.role} service: nothing was started under {key!r}: this service was rebuilt since "
-                "the call was begun (the one running it died), or the call was never begun; re-run the "
-                "step from its plan stage"
+                f"{self.role} service: the {ticket.call} of attempt {ticket.attempt} was begun on the "
+                f"{ticket.service} service; collect it there"
+            )
+        with self._started_lock:
+            begun = self._started.get(ticket.key)
+        if begun is None:
+            raise ServiceError(
+                f"{self.role} service: no {ticket.call} of attempt {ticket.attempt} was begun here: this "
+                "service was rebuilt since the call was begun (the one running it died), or it was "
+                "collected already; re-run the step from its plan stage"
             )
         try:
-            return fut.result()
+            got = begun[1].result()
         finally:
             with self._started_lock:
-                if self._started.get(key) is fut:
-                    del self._started[key]
+                if self._started.get(ticket.key) is begun:
+                    del self._started[ticket.key]
+        if type(got.value).__name__ != ticket.result:
+            raise ServiceError(
+                f"{self.role} service: the {ticket.call} of attempt {ticket.attempt} returned a "
+                f"{type(got.value).__name__}, its ticket promised a {ticket.result}"
+            )
+        return cast(Collected[R], got)
 
     def store(self) -> ObjectStore:
         return _store(self.cfg.store)

@@ -51,12 +51,14 @@ from rollpacker.core.types import Group, Role, ServicesMode, parse_enum
 from rollpacker.core.weight_sync import TransferGroup
 from rollpacker.services.api import (
     Anchors,
+    Collected,
     CommittedStep,
     DeviceLease,
     DrainReport,
     EngineSync,
     GroupRewards,
     Peers,
+    Pending,
     ProfileSummary,
     RewardAPI,
     RewardBegin,
@@ -254,16 +256,11 @@ class RolloutProxy(RolloutAPI):
     def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport:
         return self._h.call(RolloutAPI.run_round, state, step, attempt)
 
-    def start_round(self, state: ControllerState, step: int, attempt: str) -> None:
-        """``run_round`` begun now; ``collect_round`` waits for it (ServiceAPI.start)."""
-        self._h.call(
-            ServiceAPI.start, f"round:{attempt}", RolloutAPI.run_round.__name__, (state, step, attempt)
-        )
+    def begin_round(self, state: ControllerState, step: int, attempt: str) -> Pending[RoundReport]:
+        return self._h.call(RolloutAPI.begin_round, state, step, attempt)
 
-    def collect_round(self, attempt: str) -> tuple[RoundReport, float]:
-        """The round begun by ``start_round``, and the wall clock when it began."""
-        got = self._h.call(ServiceAPI.collect, f"round:{attempt}")
-        return got.value, got.start_wall
+    def collect(self, ticket: Pending[RoundReport]) -> Collected[RoundReport]:
+        return self._h.call(RolloutAPI.collect, ticket)
 
     def validate(self, step: int, attempt: str) -> Validation:
         return self._h.call(RolloutAPI.validate, step, attempt)
@@ -334,18 +331,13 @@ class TrainerProxy(TrainerAPI):
     def repurpose(self, attempt: str, devices: tuple[str, ...]) -> DeviceLease:
         return self._h.call(TrainerAPI.repurpose, attempt, devices)
 
-    def start_finish(
+    def begin_update(
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
-    ) -> None:
-        """``finish`` begun now (it waits for the step's last groups itself); ``collect_finish``
-        waits for it (ServiceAPI.start)."""
-        args = (attempt, step, expected, checkpoint_key, batch_key)
-        self._h.call(ServiceAPI.start, f"finish:{attempt}", TrainerAPI.finish.__name__, args)
+    ) -> Pending[TrainReport]:
+        return self._h.call(TrainerAPI.begin_update, attempt, step, expected, checkpoint_key, batch_key)
 
-    def collect_finish(self, attempt: str) -> tuple[TrainReport, float]:
-        """The update begun by ``start_finish``, and the wall clock when it began."""
-        got = self._h.call(ServiceAPI.collect, f"finish:{attempt}")
-        return got.value, got.start_wall
+    def collect(self, ticket: Pending[TrainReport]) -> Collected[TrainReport]:
+        return self._h.call(TrainerAPI.collect, ticket)
 
 
 class TrackingProxy(TrackingAPI):

@@ -85,6 +85,7 @@ from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import RoundRun, generate, run_round, sample_requests
 from rollpacker.services.api import (
     EngineSync,
+    Pending,
     ProfileSummary,
     RewardAPI,
     RolloutAPI,
@@ -442,6 +443,9 @@ class RolloutService(Service, RolloutAPI):
         )
 
     # -- the round --------------------------------------------------------------------------------
+    def begin_round(self, state: ControllerState, step: int, attempt: str) -> Pending[RoundReport]:
+        return self._run_ahead("round", attempt, RoundReport, lambda: self.run_round(state, step, attempt))
+
     def run_round(self, state: ControllerState, step: int, attempt: str) -> RoundReport:
         """Roll out step ``step`` of ``attempt``; finished responses and groups go to the reward
         services while the round runs."""

@@ -72,7 +72,14 @@ from rollpacker.core.scaledown import DeviceTimeline
 from rollpacker.core.serde import MessageError
 from rollpacker.core.state import ControllerState
 from rollpacker.core.types import Role
-from rollpacker.services.api import DeviceLease, PendingBatch, TrainerAPI, TrainerBegin, TrainReport
+from rollpacker.services.api import (
+    DeviceLease,
+    Pending,
+    PendingBatch,
+    TrainerAPI,
+    TrainerBegin,
+    TrainReport,
+)
 from rollpacker.services.base import Service, ServiceError, checkpoint_cache
 from rollpacker.store.base import ObjectStore, cached_download
 from rollpacker.store.state_store import StateStore
@@ -94,7 +101,7 @@ class TrainerService(Service, TrainerAPI):
         self._pending = 0  # one-off: samples of the previous step being trained now
         self._cond = threading.Condition()
         # one finish at a time, and a begin waits for an older attempt's update in flight: the
-        # update is begun as the round ends (ServiceAPI.start) and runs while the drain stages do
+        # update is begun as the round ends (``begin_update``) and runs while the drain stages do
         self._finish_lock = threading.Lock()
         self._t0 = time.perf_counter()  # this attempt's begin: the device timeline's zero
         self._lease: tuple[str, ...] = ()  # devices repurposed from rollout, held until finish
@@ -271,6 +278,14 @@ class TrainerService(Service, TrainerAPI):
             out["train/repurposed_at_s"] = lent[0]
             out["train/returned_at_s"] = next((t for t, n in dev.changes if n == 0 and t >= lent[0]), end)
         return out
+
+    def begin_update(
+        self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str
+    ) -> Pending[TrainReport]:
+        keys = checkpoint_key, batch_key
+        return self._run_ahead(
+            "update", attempt, TrainReport, lambda: self.finish(attempt, step, expected, *keys)
+        )
 
     def finish(
         self, attempt: str, step: int, expected: tuple[str, ...], checkpoint_key: str, batch_key: str

@@ -26,8 +26,8 @@ from rollpacker.stages.messages import (
     DrainOutput,
     GroupsLog,
     LengthsLog,
+    PlanOutput,
     RolloutOutput,
-    StepPlan,
     Timing,
     TrainOutput,
 )
@@ -35,11 +35,9 @@ from rollpacker.stages.successor import step_metrics, successor
 
 
 def commit(
-    ctx: StageContext, plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
+    ctx: StageContext, plan: PlanOutput, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput
 ) -> CommitOutput:
     clock = Clock()
-    if plan.skip or ro.round is None or tr.report is None:
-        return CommitOutput(plan.step, plan.attempt, skipped=True)
     latest = ctx.states.latest()
     done = _already_committed(ctx, plan, latest)
     if done is not None:
@@ -77,7 +75,7 @@ def commit(
 
 
 def _already_committed(
-    ctx: StageContext, plan: StepPlan, latest: ControllerState | None
+    ctx: StageContext, plan: PlanOutput, latest: ControllerState | None
 ) -> CommitOutput | None:
     """This very commit ran before and died after moving the pointer: what it committed."""
     if latest is None or latest.step != plan.step:
@@ -89,7 +87,7 @@ def _already_committed(
 
 
 def _time_metrics(
-    plan: StepPlan, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
+    plan: PlanOutput, ro: RolloutOutput, rw: DrainOutput, jd: DrainOutput, tr: TrainOutput, profile_s: float
 ) -> dict[str, float]:
     """Seconds per stage (each stage function's own work) and the validation's metrics."""
     stages = {
@@ -119,7 +117,7 @@ def busy_seconds(spans: list[tuple[float, float]]) -> float:
 
 
 def _wall_metrics(
-    plan: StepPlan,
+    plan: PlanOutput,
     ro: RolloutOutput,
     rw: DrainOutput,
     jd: DrainOutput,
@@ -137,7 +135,7 @@ def _wall_metrics(
         (t.end_wall - t.work_s, t.end_wall)
         for t in (plan.timing, ro.timing, rw.timing, jd.timing, tr.timing, commit)
     ]
-    work += [(t.start_wall, t.end_wall) for t in (ro.round_span, tr.update_span) if t is not None]
+    work += [(t.start_wall, t.end_wall) for t in (ro.round_span, tr.update_span)]
     busy = busy_seconds(work) + profile_s  # the profile stage's own span is not passed on
     return {
         "stage/commit_s": commit.work_s,

@@ -20,7 +20,7 @@ from rollpacker.core.types import ServicesMode
 from rollpacker.services.api import TrackingAPI
 from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry
-from rollpacker.stages.messages import StepPlan
+from rollpacker.stages.messages import PlanOutput
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
@@ -77,7 +77,7 @@ class StageContext:
         """The arm's MLflow run, through the tracking service (no MLflow import here)."""
         return self.services.tracking()
 
-    def state_for(self, plan: StepPlan, latest: ControllerState | None = None) -> ControllerState:
+    def state_for(self, plan: PlanOutput, latest: ControllerState | None = None) -> ControllerState:
         """The committed state ``plan`` was made from (``latest``: the committed state, if the
         caller has just read it); refuses a stale plan."""
         latest = latest if latest is not None else self.states.latest()

@@ -25,11 +25,11 @@ from rollpacker.stages import profile as profile_stage
 from rollpacker.stages import rollout as rollout_stage
 from rollpacker.stages import train as train_stage
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import DrainOutput, RolloutOutput, StepPlan, TrainOutput
+from rollpacker.stages.messages import ArmDone, DrainOutput, PlanOutput, RolloutOutput, TrainOutput
 
 
-class PlanOutput(NamedTuple):
-    plan: str  # StepPlan
+class PlanEdge(NamedTuple):
+    plan: str  # PlanOutput, or ArmDone when ``skip``
     step: int
     need_profile: bool
     skip: bool
@@ -60,44 +60,47 @@ def _process_start() -> float | None:
         return None
 
 
-def plan(config: str, arm: str) -> PlanOutput:
+def plan(config: str, arm: str) -> PlanEdge:
+    """``skip``: the arm is done (``plan`` holds an ``ArmDone``): the DAG runs nothing after it."""
     with _ctx(config, arm) as ctx:
         p = plan_stage.plan(ctx)
-    return PlanOutput(p.to_json(), p.step, p.need_profile, p.skip)
+    if isinstance(p, ArmDone):
+        return PlanEdge(p.to_json(), p.step, False, True)
+    return PlanEdge(p.to_json(), p.step, p.need_profile, False)
 
 
 def profile(config: str, plan: str) -> str:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         return profile_stage.profile(ctx, p).to_json()
 
 
 def rollout(config: str, plan: str) -> str:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         return rollout_stage.rollout(ctx, p).to_json()
 
 
 def reward(config: str, plan: str, rollout: str) -> str:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         return drain_stage.drain(ctx, Role.REWARD, p, RolloutOutput.from_json(rollout)).to_json()
 
 
 def judge(config: str, plan: str, rollout: str) -> str:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         return drain_stage.drain(ctx, Role.JUDGE, p, RolloutOutput.from_json(rollout)).to_json()
 
 
 def train(config: str, plan: str, rollout: str, reward: str, judge: str) -> str:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         return train_stage.train(ctx, p, RolloutOutput.from_json(rollout)).to_json()
 
 
 def commit(config: str, plan: str, rollout: str, reward: str, judge: str, train: str) -> CommitEdge:
-    p = StepPlan.from_json(plan)
+    p = PlanOutput.from_json(plan)
     with _ctx(config, p.arm) as ctx:
         out = commit_stage.commit(
             ctx,

@@ -1,12 +1,14 @@
 """What the stages hand each other: typed, strict messages (JSON only at the KFP component edge).
 
-    StepPlan ──> ProfileOutput (optional, read back from the store by the commit)
-             ──> RolloutOutput ──> DrainOutput (reward), DrainOutput (judge) ──> TrainOutput
-             ──> CommitOutput
+    PlanOutput ──> ProfileOutput (optional, read back from the store by the commit)
+               ──> RolloutOutput ──> DrainOutput (reward), DrainOutput (judge) ──> TrainOutput
+               ──> CommitOutput
 Beside the edges, the commit writes per-step records into the state store: ``CommitRecord``
 (what MLflow is repaired from), ``GroupsLog`` (the exactly-once log) and ``LengthsLog``.
 
-A skipped stage (the arm already ran all its steps) carries ``None`` where its report would be.
+When the arm already committed all its steps the plan stage emits ``ArmDone`` instead of a
+``PlanOutput``, and nothing runs after it (the DAG gates on the plan's ``skip`` output;
+``run_step`` returns at once), so no stage message carries a report that may be missing.
 Invariants: every message round-trips through ``to_json``/``from_json``; an unknown or missing
 field is refused by name (``core.serde``).
 """
@@ -21,6 +23,7 @@ from rollpacker.core.types import Role, RoundKind
 from rollpacker.services.api import (
     DrainReport,
     EngineSync,
+    Pending,
     ProfileSummary,
     RewardBegin,
     RoundPlan,
@@ -59,70 +62,84 @@ def span(start_wall: float, end_wall: float) -> Timing:
 
 @dataclass(frozen=True)
 class RoundStart(Message):
-    """The services began the step's round in the plan stage (no profile was due): what the
-    trainer and the reward services said when they began the attempt."""
+    """The services began the step's round: what the trainer and the reward services said when they
+    began the attempt, and the round's ticket (the rollout stage collects it)."""
 
     trainer: TrainerBegin
     rewards: dict[Role, RewardBegin]
+    round: Pending[RoundReport]
 
 
 @dataclass(frozen=True)
-class StepPlan(Message):
-    """The plan stage's decision for one attempt of one step."""
+class ArmDone(Message):
+    """The plan stage found every step of the arm committed: nothing else runs for this step."""
+
+    experiment: str
+    arm: str
+    step: int  # the step that would have run (= config.steps)
+    state_step: int  # the arm's last committed step
+    attempt: str
+    run_id: str  # the arm's MLflow run
+    timing: Timing
+
+
+@dataclass(frozen=True)
+class PlanOutput(Message):
+    """The plan stage's decision for one attempt of one step that runs."""
 
     experiment: str
     arm: str
     step: int
     state_step: int  # the committed step this plan was made from
     attempt: str
-    skip: bool  # every step of the arm is committed: nothing to do
     base_uri: str  # the base model in the store (the trainer's reference model)
     run_id: str  # the arm's MLflow run
     timing: Timing
+    sync: EngineSync
+    round: RoundPlan
     need_profile: bool = False
     reprofile: str = ""  # why a profile is measured again ("" = first profile or none)
-    sync: EngineSync | None = None
-    round: RoundPlan | None = None
     val0: Validation | None = None  # the validation before any RL (the arm's first step)
     init_s: float = 0.0  # one-off start-up of the arm's first step (warm-ups, engine start)
-    started: RoundStart | None = None  # the round already runs (the rollout stage waits for it)
+    started: RoundStart | None = None  # no profile was due: the round runs already; rollout collects it
 
 
 @dataclass(frozen=True)
 class ProfileOutput(Message):
-    summary: ProfileSummary | None
+    summary: ProfileSummary
     timing: Timing
 
 
 @dataclass(frozen=True)
 class RolloutOutput(Message):
-    round: RoundReport | None
-    trainer: TrainerBegin | None
+    round: RoundReport
+    trainer: TrainerBegin
     rewards: dict[Role, RewardBegin]
     timing: Timing
-    round_span: Timing | None = None  # when the rollout service ran the round
+    round_span: Timing  # when the rollout service ran the round
+    update: Pending[TrainReport]  # the update, begun as the round ended: the training stage collects it
 
 
 @dataclass(frozen=True)
 class DrainOutput(Message):
-    report: DrainReport | None
+    report: DrainReport | None  # None: the round's task needs no service of this role (no judge)
     timing: Timing
 
 
 @dataclass(frozen=True)
 class TrainOutput(Message):
-    report: TrainReport | None
-    validation: Validation | None
+    report: TrainReport
+    validation: Validation | None  # None: no validation was due at this step
     val_s: float
     timing: Timing
-    update_span: Timing | None = None  # when the trainer service ran the update (begun at rollout's end)
+    update_span: Timing  # when the trainer service ran the update (begun at rollout's end)
 
 
 @dataclass(frozen=True)
 class CommitOutput(Message):
     step: int
     attempt: str
-    skipped: bool
+    skipped: bool  # the arm was done (``ArmDone``): nothing ran or was committed
     state_uri: str = ""
     round_kind: RoundKind | None = None  # None: skipped
     metrics: dict[str, float] = field(default_factory=dict)

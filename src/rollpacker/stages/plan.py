@@ -29,7 +29,7 @@ from rollpacker.core.state import ControllerState, TPPlan
 from rollpacker.stages import hooks
 from rollpacker.stages.commit import repair_tracking
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, StepPlan
+from rollpacker.stages.messages import ArmDone, Clock, PlanOutput
 from rollpacker.stages.rollout import begin_round
 from rollpacker.tasks.dataset_store import publish
 from rollpacker.tasks.models import PREPARED_MARKER
@@ -38,8 +38,9 @@ from rollpacker.tracking import flatten_params
 log = logging.getLogger(__name__)
 
 
-def plan(ctx: StageContext) -> StepPlan:
-    """The next step of the arm: its round, whether to (re-)profile, the engine synced."""
+def plan(ctx: StageContext) -> PlanOutput | ArmDone:
+    """The next step of the arm: its round, whether to (re-)profile, the engine synced; ``ArmDone``
+    when every step of the arm is committed (nothing else runs: the DAG gates on it)."""
     clock = Clock(ctx.process_start)  # a step's wall clock starts with its plan task's process
     ctx.store.check()
     state = ctx.states.recover()  # finishes a commit that died between its document and the pointer
@@ -53,19 +54,10 @@ def plan(ctx: StageContext) -> StepPlan:
         ctx.tracking_optional("logging the steps MLflow missed", lambda: _check_and_repair(ctx, state))
     step = state.next_step
     attempt = uuid.uuid4().hex[:12]
-    skipped = StepPlan(
-        experiment=ctx.cfg.experiment,
-        arm=ctx.arm,
-        step=step,
-        state_step=state.step,
-        attempt=attempt,
-        skip=True,
-        base_uri=ctx.store.uri(ctx.base_key()),
-        run_id=state.mlflow_run_id,
-        timing=clock.timing(),
-    )
     if step >= ctx.cfg.steps:
-        return skipped
+        return ArmDone(
+            ctx.cfg.experiment, ctx.arm, step, state.step, attempt, state.mlflow_run_id, clock.timing()
+        )
     rollout = ctx.services.rollout()
     sync = rollout.sync(state)
     hooks.at("plan", step)  # the engine is synced; its round (or profiling) is about to start
@@ -78,13 +70,19 @@ def plan(ctx: StageContext) -> StepPlan:
     if state.step == -1:  # the starting point of the validation curve
         val0 = rollout.validate(0, attempt)
         ctx.tracker.log_step(state.mlflow_run_id, 0, val0.metrics())
-    planned = dataclasses.replace(
-        skipped,
-        skip=False,
-        need_profile=need_profile,
-        reprofile=reprofile,
+    planned = PlanOutput(
+        experiment=ctx.cfg.experiment,
+        arm=ctx.arm,
+        step=step,
+        state_step=state.step,
+        attempt=attempt,
+        base_uri=ctx.store.uri(ctx.base_key()),
+        run_id=state.mlflow_run_id,
+        timing=clock.timing(),
         sync=sync,
         round=round_plan,
+        need_profile=need_profile,
+        reprofile=reprofile,
         val0=val0,
         # one-off work of an arm's first step (warm-up, engine start, first validation): not step time
         init_s=time.perf_counter() - t_init if state.step == -1 else 0.0,

@@ -4,13 +4,11 @@ table in the store; only when the plan asks (no profile yet, or the last step dr
 from __future__ import annotations
 
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, ProfileOutput, StepPlan
+from rollpacker.stages.messages import Clock, PlanOutput, ProfileOutput
 
 
-def profile(ctx: StageContext, plan: StepPlan) -> ProfileOutput:
+def profile(ctx: StageContext, plan: PlanOutput) -> ProfileOutput:
     clock = Clock()
-    if plan.skip:
-        return ProfileOutput(None, clock.timing())
     key = ctx.profile_key(plan.attempt)
     summary = ctx.services.rollout().profile(key)
     if plan.run_id:

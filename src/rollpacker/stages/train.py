@@ -7,18 +7,15 @@ import time
 
 from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
-from rollpacker.stages.messages import Clock, RolloutOutput, StepPlan, TrainOutput, span
+from rollpacker.stages.messages import Clock, PlanOutput, RolloutOutput, TrainOutput, span
 
 
-def train(ctx: StageContext, plan: StepPlan, rollout: RolloutOutput) -> TrainOutput:
+def train(ctx: StageContext, plan: PlanOutput, rollout: RolloutOutput) -> TrainOutput:
     clock = Clock()
-    r = rollout.round
-    if plan.skip or r is None:
-        return TrainOutput(None, None, 0.0, clock.timing())
     ctx.state_for(plan)
     step, cfg = plan.step, ctx.cfg
-    report, t0 = ctx.services.trainer().collect_finish(plan.attempt)
-    t1 = time.time()
+    got = ctx.services.trainer().collect(rollout.update)
+    report, t0, t1 = got.value, got.start_wall, time.time()
     hooks.at("train", step)  # the nastiest point: trainer and engine ahead of the state
     validation, val_s = None, 0.0
     if (step + 1) % cfg.validation.every == 0 or step == cfg.steps - 1:

@@ -42,7 +42,7 @@ ACCEPT_MAE = 0.10
 
 
 @dataclass(frozen=True)
-class ValidationConfig:
+class WhatIfValidation:
     model: str = "bench"  # tiny-model preset (tasks.tiny_model)
     traces: tuple[tuple[str, int], ...] = (("paper-cpu", 1), ("paper-cpu", 2))  # (preset, seed)
     p0: int = 8
@@ -89,7 +89,7 @@ def parse_traces(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def _start(vc: ValidationConfig, max_len: int, say: Callable[[str], None]) -> Any:
+def _start(vc: WhatIfValidation, max_len: int, say: Callable[[str], None]) -> Any:
     """The real engine: one replica of the tiny model, warmed."""
     from rollpacker.core.config import EngineConfig
     from rollpacker.engines.layout import EnginePool, node_devices
@@ -109,7 +109,7 @@ def _start(vc: ValidationConfig, max_len: int, say: Callable[[str], None]) -> An
     return pool
 
 
-def _profile(pool: Any, vc: ValidationConfig, say: Callable[[str], None]) -> ProfileTable:
+def _profile(pool: Any, vc: WhatIfValidation, say: Callable[[str], None]) -> ProfileTable:
     from rollpacker.engines.profiler import ProfileSpec, profile_engines
 
     spec = ProfileSpec(
@@ -187,7 +187,7 @@ def median_table(tables: Sequence[ProfileTable]) -> ProfileTable:
 
 
 def _trace_row(
-    pool: Any, vc: ValidationConfig, source: str, recs: list[TraceRecord], say: Callable[[str], None]
+    pool: Any, vc: WhatIfValidation, source: str, recs: list[TraceRecord], say: Callable[[str], None]
 ) -> Any:
     """Replay the trace on the real engine between fits of the profile (random prefixes, never the
     trace), then simulate it on their median; the comparison and the evidence behind it (the
@@ -220,7 +220,7 @@ def _trace_row(
     }
 
 
-def validate(vc: ValidationConfig, say: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
+def validate(vc: WhatIfValidation, say: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
     """Per validation trace: fit a profile on the real engine, simulate on it, replay for real."""
     t0 = time.perf_counter()
     # prompt ids carry the trace's index: request ids are single-use on the one real engine
