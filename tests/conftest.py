@@ -8,7 +8,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from rollpacker.core.trace import TraceRecord, to_prompts
 from rollpacker.core.types import Prompt
@@ -17,9 +17,14 @@ pytest_plugins = ["tests.budget"]  # the suite's time budget under `make test`
 
 # The property tests draw the same examples on every run of the suite ("gate"), so a property that
 # fails fails on every run, not once in a while in CI. `--hypothesis-profile=explore` draws new ones
-# (pin what it finds with @example).
-settings.register_profile("gate", derandomize=True)
-settings.register_profile("explore", derandomize=False)
+# (pin what it finds with @example). Neither profile fails on time (a deadline, a slow data
+# generation): the suite runs on a loaded machine, and a timing is not a property.
+settings.register_profile(
+    "gate", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "explore", derandomize=False, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def pytest_configure(config: pytest.Config) -> None:

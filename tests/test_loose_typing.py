@@ -64,7 +64,9 @@ BUDGET: dict[str, Budget] = {
     "rollpacker.core.policies.entries": Budget(0, 5, DOC + " (the rollout buffer)"),
     "rollpacker.core.scaledown": Budget(1, 2, f"{FIELDS}; {DOC} (its state in the controller state)"),
     "rollpacker.core.serde": Budget(
-        1, 20, "the strict JSON reader itself: data is Any until checked against the hints"
+        2,
+        22,
+        "the strict JSON reader itself: data is Any until checked against the hints (generic messages too)",
     ),
     "rollpacker.core.sizing": Budget(2, 0, "compares two volume tables field by field"),
     "rollpacker.core.state": Budget(0, 6, DOC + " (the controller state)"),
@@ -91,12 +93,7 @@ BUDGET: dict[str, Budget] = {
     "rollpacker.rewards.sandbox": Budget(
         3, 6, f"{FIELDS}; the sandbox's JSON records; sys._base_executable (set in a venv only)"
     ),
-    "rollpacker.services.api": Budget(
-        0, 4, "ServiceAPI.start/collect (typed tickets replace them: issue 38 item 1); " + TENSORS
-    ),
-    "rollpacker.services.base": Budget(
-        1, 1, "ServiceAPI.start dispatches by method name (typed tickets replace it: issue 38 item 1)"
-    ),
+    "rollpacker.services.api": Budget(0, 2, TENSORS),
     "rollpacker.services.registry": Budget(
         6, 21, "the proxies over Ray actor handles and in-process objects (Ray's handles are untyped)"
     ),

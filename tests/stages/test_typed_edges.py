@@ -44,8 +44,15 @@ def _report(kind: RoundKind = RoundKind.LONG) -> api.RoundReport:
     )
 
 
+def _rollout(rewards: dict[Role, api.RewardBegin]) -> RolloutOutput:
+    update = api.Pending("trainer", "update", "a1", "TrainReport", 1.0)
+    return RolloutOutput(
+        _report(), api.TrainerBegin(0.2, True, 0), rewards, Timing(1, 2, 3), Timing(1, 2, 3), update
+    )
+
+
 def test_enums_round_trip_as_their_values_and_come_back_as_members() -> None:
-    ro = RolloutOutput(_report(), None, {Role.JUDGE: api.RewardBegin(0.1, ("judge",))}, Timing(1, 2, 3))
+    ro = _rollout({Role.JUDGE: api.RewardBegin(0.1, ("judge",))})
     doc = json.loads(ro.to_json())
     assert doc["round"]["round_kind"] == "long" and set(doc["round"]["groups_by_role"]) == {"reward", "judge"}
     assert set(doc["rewards"]) == {"judge"}
@@ -65,11 +72,11 @@ def test_enums_round_trip_as_their_values_and_come_back_as_members() -> None:
 
 
 def test_a_bad_enum_value_is_refused_naming_the_field() -> None:
-    doc = json.loads(RolloutOutput(_report(), None, {}, Timing(1, 2, 3)).to_json())
+    doc = json.loads(_rollout({}).to_json())
     doc["round"]["round_kind"] = "medium"
     with pytest.raises(MessageError, match=r"RolloutOutput\.round\.round_kind: 'medium' is not one of"):
         RolloutOutput.from_json(json.dumps(doc))
-    doc = json.loads(RolloutOutput(_report(), None, {}, Timing(1, 2, 3)).to_json())
+    doc = json.loads(_rollout({}).to_json())
     doc["round"]["groups_by_role"]["sandbox"] = []
     with pytest.raises(
         MessageError, match=r"RolloutOutput\.round\.groups_by_role key: 'sandbox' is not one of"
