@@ -57,6 +57,10 @@ LAYERS: dict[str, int] = {
     "rollpacker.profiling": 6,
     "rollpacker.bench": 6,
     "rollpacker.cli": 7,
+    "rollpacker.__main__": 7,  # `python -m rollpacker`: the command
+    # the lab (benchmarks, what-if, profiling, soak, chaos): above everything, imported by nothing
+    # of the product; the command root mounts its group by name (rollpacker.cli.LAB)
+    "rollpacker.lab": 8,
 }
 # Imports the order alone would allow but that are not: the components use only the stages' edge
 # and below, never each other's pipelines.

@@ -1,4 +1,4 @@
-"""``rollpacker profile`` and ``bench planner``: the engines they measure, the profile, the report."""
+"""``rollpacker lab profile`` and ``bench planner``: the engines they measure, the profile, the report."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def held_out(cfg: ExperimentConfig, model_dir: str, n: int) -> tuple[Prompt, ...
 def profile_layouts(
     cfg: ExperimentConfig, layouts: str, n_held_out: int, progress: Callable[[str], None]
 ) -> dict[str, Any]:
-    """``rollpacker profile``: start the layouts' engines, profile them over the planner's grid,
+    """``rollpacker lab profile``: start the layouts' engines, profile them over the planner's grid,
     check the predictor on real decoding of ``n_held_out`` held-out prompts; the profile document
     (``table``, ``validation``, ``seconds``, ``total_seconds`` with engine start-up)."""
     t0 = time.perf_counter()
@@ -120,10 +120,10 @@ def planner_benchmark(
     profile: Path | None,
     progress: Callable[[str], None],
 ) -> dict[str, Any]:
-    """``rollpacker bench planner``: the profile (``profile``'s table, or measured now on the
+    """``rollpacker lab bench planner``: the profile (``profile``'s table, or measured now on the
     layouts' engines), then fixed layouts vs the per-step plan vs PAT switching on the trace."""
     if profile is not None and not profile.is_file():
-        raise ConfigError(f"--profile {profile}: no such file; write one with `rollpacker profile`")
+        raise ConfigError(f"--profile {profile}: no such file; write one with `rollpacker lab profile`")
     pool = layout_pool(cfg, "", progress) if profile is None or bench.real_steps > 0 else None
     try:
         if profile is None:

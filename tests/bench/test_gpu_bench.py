@@ -1,4 +1,4 @@
-"""``rollpacker bench gpu``: the runner's deadlines and statuses, the predictor split, the calibration,
+"""``rollpacker lab bench gpu``: the runner's deadlines and statuses, the predictor split, the calibration,
 the judge's figures, and the tiny dry run end to end with the packages the GPU machine lacks blocked
 (and, where a Python 3.12 is installed, the import closure and the runner under 3.12)."""
 

@@ -405,6 +405,9 @@ def test_flatter_engines_gain_more() -> None:
     )
 
 
+REPLAY = ["lab", "bench", "rollout-replay"]
+
+
 def test_cli_runs_on_a_trace_file_and_writes_json(tmp_path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(r.to_json() + "\n" for r in generate(PRESETS["smoke"], seed=5)))
@@ -412,8 +415,9 @@ def test_cli_runs_on_a_trace_file_and_writes_json(tmp_path) -> None:
     res = CliRunner().invoke(
         app,
         [
+            "lab",
             "bench",
-            "rollout",
+            "rollout-replay",
             "--engine",
             "fake",
             "--trace",
@@ -439,7 +443,7 @@ def test_cli_runs_on_a_trace_file_and_writes_json(tmp_path) -> None:
 
 def test_cli_compares_all_five_policies_by_default_and_writes_the_new_keys(tmp_path) -> None:
     out = tmp_path / "r.json"
-    args = ["bench", "rollout", "--engine", "fake", "--preset", "smoke", "--p0", "4", "--r0", "2"]
+    args = [*REPLAY, "--engine", "fake", "--preset", "smoke", "--p0", "4", "--r0", "2"]
     args += ["--max-tokens", "64", "--concurrency", "16", "--group-size", "2", "--out", str(out)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -469,7 +473,7 @@ def test_cli_compares_all_five_policies_by_default_and_writes_the_new_keys(tmp_p
 
 def test_cli_runs_the_baseline_with_any_policy_subset(tmp_path) -> None:
     out = tmp_path / "r.json"
-    args = ["bench", "rollout", "--engine", "fake", "--preset", "smoke", "--p0", "4", "--r0", "2"]
+    args = [*REPLAY, "--engine", "fake", "--preset", "smoke", "--p0", "4", "--r0", "2"]
     res = CliRunner().invoke(app, [*args, "--max-tokens", "64", "--policies", "sorted", "--out", str(out)])
     assert res.exit_code == 0, res.output
     rep = json.loads(out.read_text())
@@ -491,9 +495,33 @@ def test_cli_runs_the_baseline_with_any_policy_subset(tmp_path) -> None:
     ],
 )
 def test_cli_rejects_bad_input_with_a_named_message(args, message) -> None:
-    res = CliRunner().invoke(app, ["bench", "rollout", "--engine", "fake", "--preset", "smoke", *args])
+    res = CliRunner().invoke(app, [*REPLAY, "--engine", "fake", "--preset", "smoke", *args])
     assert res.exit_code == 2
     assert message in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "new"),
+    [
+        (["--preset", "smoke"], "rollpacker lab bench rollout-replay --preset smoke"),
+        (["--mode", "replay", "--p0", "4"], "rollpacker lab bench rollout-replay --p0 4"),
+        (["--mode=task", "--config", "code"], "rollpacker lab bench rollout-task --config code"),
+        (["--mode", "task"], "rollpacker lab bench rollout-task"),
+    ],
+)
+def test_the_old_bench_rollout_names_the_command_that_replaced_it(args, new) -> None:
+    for prefix in (["bench"], ["lab", "bench"]):
+        res = CliRunner().invoke(app, [*prefix, "rollout", *args])
+        assert res.exit_code == 2, res.output
+        assert "`bench rollout` is now two commands" in res.output
+        assert res.output.rstrip().endswith(f"run: {new}"), res.output
+
+
+def test_each_rollout_command_takes_only_its_own_options() -> None:
+    res = CliRunner().invoke(app, ["lab", "bench", "rollout-replay", "--arms", "sync"])
+    assert res.exit_code == 2 and "No such option: --arms" in res.output
+    res = CliRunner().invoke(app, ["lab", "bench", "rollout-task", "--preset", "smoke"])
+    assert res.exit_code == 2 and "No such option: --preset" in res.output
 
 
 def test_cli_names_the_bad_trace_line(tmp_path) -> None:
@@ -501,6 +529,6 @@ def test_cli_names_the_bad_trace_line(tmp_path) -> None:
     trace.write_text(
         '{"prompt_id": "a", "prompt_len": 3, "response_lens": [5, 6, 7, 8, 9]}\n{"prompt_id": 3}\n'
     )
-    res = CliRunner().invoke(app, ["bench", "rollout", "--engine", "fake", "--trace", str(trace)])
+    res = CliRunner().invoke(app, ["bench", "rollout-replay", "--engine", "fake", "--trace", str(trace)])
     assert res.exit_code == 2
     assert "bad.jsonl:2" in res.output and "prompt_id" in res.output

@@ -1,7 +1,7 @@
 """The rollout benchmark's task mode: its arms, tail and speculation figures, estimate and table.
 
 The arms run here on the simulated engine (the measurement itself needs vLLM and the warmed-up
-model: ``rollpacker bench rollout --mode task``)."""
+model: ``rollpacker lab bench rollout-task``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""rollpacker whatif: the grid, the recommendation, traces from MLflow lengths, the command."""
+"""rollpacker lab whatif: the grid, the recommendation, traces from MLflow lengths, the command."""
 
 from __future__ import annotations
 

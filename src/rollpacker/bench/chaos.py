@@ -1,7 +1,7 @@
 """The chaos suite: an experiment of many RL steps with faults injected at seeded random points,
 then checked against a fault-free run of the same config.
 
-``rollpacker chaos`` (``make chaos``) starts its own local services (SeaweedFS, MLflow, a Ray head;
+``rollpacker lab chaos`` (``make chaos``) starts its own local services (SeaweedFS, MLflow, a Ray head;
 free ports, under ``<out_dir>/services``, temporary files under a directory of its own), then:
 
 1. runs the config fault-free (the reference; ``--ref-runner inline`` by default: the same stages

@@ -1,4 +1,4 @@
-"""Where a KFP task's seconds go before and after a stage does its work (``rollpacker bench overhead``).
+"""Where a KFP task's seconds go before and after a stage does its work (``rollpacker lab bench overhead``).
 
 Every task of an RL step on ``kfp.local`` is a fresh Python process. This benchmark times, on this
 machine, each piece such a process pays, one by one, each the median of ``repeats`` fresh runs:

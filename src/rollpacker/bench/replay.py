@@ -1029,7 +1029,7 @@ def _ratio(points: Sequence[ScalingPoint], a: int, b: int) -> float | None:
 
 
 def render_table(report: dict[str, Any]) -> str:
-    """The human-readable summary printed by ``rollpacker bench rollout``: a title saying whether
+    """The human-readable summary printed by ``rollpacker lab bench rollout-replay``: a title saying whether
     the seconds were simulated or measured, then tables at most ``MAX_COLUMNS`` wide, each with a
     legend."""
     lines = _title_lines(report)

@@ -1,6 +1,6 @@
 """The reward benchmark: adaptive vs fixed sandbox timeouts on a code workload that sometimes hangs.
 
-``rollpacker bench reward`` builds a code-reward workload from the synthetic code task: each
+``rollpacker lab bench reward`` builds a code-reward workload from the synthetic code task: each
 problem's test cases call the function many times, so a correct run takes from tens of
 milliseconds to about a second (log-uniform per problem, as real test suites differ); each
 response is correct (the reference, with a little extra work of its own, as correct programs

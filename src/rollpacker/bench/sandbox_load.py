@@ -1,6 +1,6 @@
 """The sandbox under load: many concurrent runs, a share of them hostile, nothing escapes or stays.
 
-``rollpacker bench sandbox-load`` runs ``--runs`` programs (256 by default) through the code
+``rollpacker lab bench sandbox-load`` runs ``--runs`` programs (256 by default) through the code
 sandbox, ``--concurrency`` at a time from a thread pool (the way ``CodeReward`` drives it for the
 reward service: one thread per run in flight). ``--hostile-share`` of them (a quarter) are hostile
 programs, cycling through ``HOSTILE``: the attacks of the hostile-program suite

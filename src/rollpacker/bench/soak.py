@@ -1,6 +1,6 @@
 """The soak: N RL steps of a small config through the one step path, watching for slow leaks.
 
-``rollpacker soak`` runs one arm of a config (``default`` made small: 4 prompts x 2 responses,
+``rollpacker lab soak`` runs one arm of a config (``default`` made small: 4 prompts x 2 responses,
 64 tokens, no validation) for ``--steps`` steps through the stages (``run_step``, as ``rollpacker
 train`` does; services in this process, or Ray actors with ``--services ray``). After every step it
 samples, with psutil, each service process's resident memory, threads and open file descriptors

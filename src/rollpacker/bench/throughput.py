@@ -1,4 +1,4 @@
-"""The throughput table every rollout benchmark prints (``bench rollout``, ``whatif``, ``whatif-papers``):
+"""The throughput table every rollout benchmark prints (``rollout-replay``, ``whatif``, ``whatif-papers``):
 both throughputs side by side, named so that neither is read as the other (``core.metrics.Throughput``).
 
 - **out tok/s (all)**: every token the engine generated per rollout second, terminated, scavenged

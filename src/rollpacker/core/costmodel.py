@@ -4,7 +4,7 @@ A ``StepCost`` prices what one engine replica does in one iteration: a decode st
 requests holding ``tokens`` context tokens in all, and the prefill of newly admitted contexts. Two
 implementations:
 
-- ``ProfileCost``: the measured profile of ``rollpacker profile`` through the planner's latency
+- ``ProfileCost``: the measured profile of ``rollpacker lab profile`` through the planner's latency
   predictor (``core.latency``): what the machine the profile was taken on does;
 - ``RooflineCost``: a roofline of a named accelerator and model (spec files in
   ``rollpacker/bench/whatif/specs/``, every number cited):

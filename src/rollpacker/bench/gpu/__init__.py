@@ -1,9 +1,9 @@
-"""``rollpacker bench gpu``: one prepared command that measures, on one GPU, what rollpacker claims for GPUs.
+"""``rollpacker lab bench gpu``: one prepared command: on one GPU, what rollpacker claims for GPUs.
 
 Phases, in order of value, each under its own deadline (``runner.PHASES``): ``probe`` (versions,
 attention kernels, measured copy and GEMM ceilings), ``profile`` (decode step time of a
 Qwen2.5-7B-shaped model with random bf16 weights over batch x context, written in the table format
-of ``rollpacker profile``), ``policies`` (the replay of every rollout policy priced by that profile
+of ``rollpacker lab profile``), ``policies`` (the replay of every rollout policy priced by that profile
 beside the roofline's price), ``predictor`` (the latency predictor's error on held-out profile
 points), ``trainer`` (the stream trainer's update vs the monolithic one on the device, bf16),
 ``megatron`` (one megatron-core rank vs the torch backend) and ``judge`` (the layer-wise offload

@@ -43,8 +43,8 @@ def measured_hardware(probe: dict[str, Any], name: str) -> HardwareSpec:
         sources={
             **base.sources,
             "memory_gib": "measured: the probe's device memory",
-            "memory_bandwidth_gb_s": "measured: the probe's copy traffic (rollpacker bench gpu)",
-            "peak_bf16_tflops": "measured: the probe's GEMM (rollpacker bench gpu)",
+            "memory_bandwidth_gb_s": "measured: the probe's copy traffic (rollpacker lab bench gpu)",
+            "peak_bf16_tflops": "measured: the probe's GEMM (rollpacker lab bench gpu)",
             "devices_per_node": "one device measured",
         },
     )

@@ -10,7 +10,7 @@ the datasheet's (the shipped spec of the probed GPU), or the probe's measured ce
 spec matches (the CPU). The spec written is the base spec with those three fields replaced and
 their ``sources`` saying so; GPUs not measured keep their assumed specs.
 
-``python -m rollpacker.bench.gpu calibrate RESULT.json --out DIR`` (or ``rollpacker bench
+``python -m rollpacker.bench.gpu calibrate RESULT.json --out DIR`` (or ``rollpacker lab bench
 gpu-calibrate``) writes ``DIR/<name>.yaml`` (and ``DIR/<model>.yaml`` when the model is not a
 shipped one) and ``DIR/calibration.json``: the roofline's error per batch size before and after.
 """
@@ -112,7 +112,7 @@ def calibrate(result: Path, out: Path) -> dict[str, Any]:
     points = table.layouts[0].points
     base, model, name = _base(doc)
     fitted = dataclasses.replace(fit(base, model, points), name=name)
-    why = f"fitted to {len(points)} decode points of {result.name} (rollpacker bench gpu calibrate)"
+    why = f"fitted to {len(points)} decode points of {result.name} (rollpacker lab bench gpu calibrate)"
     fitted = dataclasses.replace(
         fitted,
         sources={
@@ -132,7 +132,7 @@ def calibrate(result: Path, out: Path) -> dict[str, Any]:
             "sources": dict.fromkeys(fields, "the tiny model of bench/gpu/decode.py")
         }
         model_path = out / f"{model.name}.yaml"
-        model_path.write_text(_yaml(m, "the tiny model of rollpacker bench gpu --tiny"))
+        model_path.write_text(_yaml(m, "the tiny model of rollpacker lab bench gpu --tiny"))
         model_ref = str(model_path)
     before = errors_by_batch(RooflineCost(base, model, 1), points)
     after = errors_by_batch(RooflineCost(fitted, model, 1), points)
@@ -147,7 +147,7 @@ def calibrate(result: Path, out: Path) -> dict[str, Any]:
             k: getattr(base, k) for k in ("bandwidth_efficiency", "compute_efficiency", "step_overhead_s")
         },
         "error_by_batch": [{"batch": b, "before": before[b], "after": after[b]} for b in before],
-        "whatif": f"rollpacker whatif --hardware {hw_path} --model {model_ref} --tp 1 --gpus 1",
+        "whatif": f"rollpacker lab whatif --hardware {hw_path} --model {model_ref} --tp 1 --gpus 1",
     }
     (out / "calibration.json").write_text(json.dumps(report, indent=1))
     return report

@@ -269,13 +269,13 @@ def _table(
 
 
 ENGINE_NOTE = (
-    "rollpacker bench gpu: transformers eager forward, sdpa attention, static KV cache per point, "
+    "rollpacker lab bench gpu: transformers eager forward, sdpa attention, static KV cache per point, "
     "random weights; no CUDA graphs, scheduler or sampler (docs/benchmarks.md)"
 )
 
 
 def write_profile(path: Path, table: ProfileTable, seconds: float) -> Path:
-    """The profile document ``rollpacker profile`` writes (``table``, ``validation``, ``seconds``),
+    """The profile document ``rollpacker lab profile`` writes (``table``, ``validation``, ``seconds``),
     so ``--hardware cpu-profile:PATH``, ``bench planner --profile`` and the predictor read it."""
     from rollpacker.bench.gpu.context import write_json
 

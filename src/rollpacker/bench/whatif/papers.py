@@ -1,4 +1,4 @@
-"""``rollpacker bench whatif-papers``: the simulator on paper-like workloads, beside the papers' tables.
+"""``rollpacker lab bench whatif-papers``: the simulator on paper-like workloads, beside the papers' tables.
 
 RollPacker (paper 000, section 6, table 2 and section 6.3): Qwen2.5-7B/8k, 14B/16k and 32B/32k on
 H800s, GRPO with P0 = 128 prompts x R0 = 8 responses, eta_p = eta_r = 1.25. It reports tail

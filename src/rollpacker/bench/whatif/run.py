@@ -1,4 +1,4 @@
-"""``rollpacker whatif``: every rollout policy, and a grid of settings, on a simulated engine.
+"""``rollpacker lab whatif``: every rollout policy, and a grid of settings, on a simulated engine.
 
 The simulator is the replay benchmark (``bench.replay.run_benchmark``: the real policies, the real
 round driver, the same trace handling and accounting) on a ``SimEngine`` whose clock a cost model
@@ -364,7 +364,7 @@ def whatif(
     trace: tuple[Path | None, str, str | None, str],
     progress: Callable[[str], None] = lambda _s: None,
 ) -> dict[str, Any]:
-    """``rollpacker whatif``: load the trace (``(file, preset, mlflow run, tracking uri)``) and the
+    """``rollpacker lab whatif``: load the trace (``(file, preset, mlflow run, tracking uri)``) and the
     deployments, simulate, and return the report."""
     from rollpacker.bench.whatif.specfiles import deployments
     from rollpacker.bench.whatif.traces import load

@@ -4,7 +4,7 @@ Shipped specs live in ``rollpacker/bench/whatif/specs/hardware/*.yaml`` and
 ``rollpacker/bench/whatif/specs/models/*.yaml`` (package data, every number cited in its file's
 ``sources``). ``--hardware`` takes a shipped name
 (``h800``), a YAML file, or ``cpu-profile:<profile.json>`` (a measured profile from
-``rollpacker profile``: its layouts are the TP choices); ``--model`` a shipped name or a YAML file.
+``rollpacker lab profile``: its layouts are the TP choices); ``--model`` a shipped name or a YAML file.
 A bad file is refused by name with the field at fault (``core.costmodel.SpecError``).
 """
 
@@ -57,18 +57,18 @@ def load_model(value: str) -> ModelSpec:
 
 
 def load_profile(path: str | Path) -> ProfileTable:
-    """A profile table: the ``table`` of a ``rollpacker profile`` document, or a bare table."""
+    """A profile table: the ``table`` of a ``rollpacker lab profile`` document, or a bare table."""
     import json
 
     p = Path(path).expanduser()
     if not p.is_file():
         raise SpecError(
-            f"{PROFILE_PREFIX}{path}: no such profile file; run `rollpacker profile --out {path}`"
+            f"{PROFILE_PREFIX}{path}: no such profile file; run `rollpacker lab profile --out {path}`"
         )
     try:
         doc = json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise SpecError(f"{p}: not JSON ({e}); re-run `rollpacker profile`") from e
+        raise SpecError(f"{p}: not JSON ({e}); re-run `rollpacker lab profile`") from e
     return ProfileTable.from_dict(doc.get("table", doc) if isinstance(doc, dict) else doc, str(p))
 
 

@@ -1,9 +1,9 @@
-"""``rollpacker bench whatif``: does the simulator predict the real engine?
+"""``rollpacker lab bench whatif``: does the simulator predict the real engine?
 
 One real vLLM engine (a tiny-model preset, one replica) is started once. Then, per validation
 trace, in this order (a fresh fit per trace: on a shared machine the load drifts over minutes):
 
-1. **fit**: ``rollpacker profile``'s measurement (``engines.profiler.profile_engines``: random
+1. **fit**: ``rollpacker lab profile``'s measurement (``engines.profiler.profile_engines``: random
    prefixes of L tokens for B requests, prefill timed, then a decode window) over a batch x context
    grid: the only thing the simulator learns from the machine;
    ``fits`` of them, half before the replay and half after, and their point-wise median: the
