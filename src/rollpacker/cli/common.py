@@ -27,6 +27,23 @@ SetOption = Annotated[
     list[str], typer.Option("--set", help="Override a config key (repeatable).", show_default=NO_OVERRIDES)
 ]
 ConfigOption = Annotated[str, typer.Option(help=CONFIG_HELP)]
+
+
+def config_option(what: str) -> Any:
+    """The --config option of a command that reads ``what`` from the experiment YAML."""
+    return typer.Option("--config", help=f"Experiment YAML ({what}): a file, or a shipped config by NAME.")
+
+
+def flag(name: str, help: str) -> Any:
+    """An on/off option spelled ``name`` (off unless given)."""
+    return typer.Option(name, help=help, show_default="off")
+
+
+def shown(help: str, default: str = "none") -> Any:
+    """An option whose default is shown as ``default`` (words, not the value: None, "", a rule)."""
+    return typer.Option(help=help, show_default=default)
+
+
 ReportOption = Annotated[Path, typer.Option(help="JSON report path.")]
 
 P = ParamSpec("P")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import Done, SetOption, command, config_path, parse_sets
+from .common import Done, SetOption, command, config_option, config_path, parse_sets, shown
 
 pipeline_app = typer.Typer()
 
@@ -18,13 +18,8 @@ def compile_cmd(
     out: Annotated[Path, typer.Option(help="Directory for rl_step.yaml and rl_experiment.yaml.")] = Path(
         "build"
     ),
-    steps: Annotated[
-        int | None,
-        typer.Option(help="RL steps chained in rl_experiment.", show_default="the config's `steps`"),
-    ] = None,
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML whose `steps` is the default; NAME: shipped.")
-    ] = "experiment",
+    steps: Annotated[int | None, shown("RL steps chained in rl_experiment.", "the config's `steps`")] = None,
+    config: Annotated[str, config_option("its `steps` is the default")] = "experiment",
 ) -> Done:
     """Compile the KFP pipelines (rl_step: one RL step; rl_experiment: N steps chained) to YAML for
     the KFP UI or API. It prints the steps chained and the images baked in (components/images.py;
@@ -49,12 +44,8 @@ def submit_cmd(
     host: Annotated[
         str, typer.Option(help="The KFP API's URL, e.g. http://localhost:8888 (a port-forward).")
     ],
-    experiment: Annotated[
-        str, typer.Option(help="KFP experiment.", show_default="the config's `experiment`")
-    ] = "",
-    steps: Annotated[
-        int | None, typer.Option(help="RL steps chained in the run.", show_default="the config's `steps`")
-    ] = None,
+    experiment: Annotated[str, shown("KFP experiment.", "the config's `experiment`")] = "",
+    steps: Annotated[int | None, shown("RL steps chained in the run.", "the config's `steps`")] = None,
     config: Annotated[
         str,
         typer.Option(
@@ -65,8 +56,7 @@ def submit_cmd(
     arm: Annotated[list[str], typer.Option(help="Arm to run (repeatable).", show_default="every arm")] = [],  # noqa: B006
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     namespace: Annotated[
-        str,
-        typer.Option(help="KFP namespace (multi-user KFP's profile).", show_default="none: single-user KFP"),
+        str, shown("KFP namespace (multi-user KFP's profile).", "none: single-user KFP")
     ] = "",
     service_account: Annotated[str, typer.Option(help="Service account the runs' pods use.")] = (
         "rollpacker-pipeline"

@@ -12,7 +12,18 @@ import typer
 
 from rollpacker.core.errors import RunExistsError
 
-from .common import CONFIG_HELP, NO_OVERRIDES, Done, command, config_path, mlflow_look, parse_sets
+from .common import (
+    CONFIG_HELP,
+    NO_OVERRIDES,
+    Done,
+    command,
+    config_option,
+    config_path,
+    flag,
+    mlflow_look,
+    parse_sets,
+    shown,
+)
 
 run_app = typer.Typer()
 
@@ -62,9 +73,7 @@ def train(
 
 @command(run_app, "run")
 def run_cmd(
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML (arms, store, services, task, ...); NAME: shipped.")
-    ] = "experiment",
+    config: Annotated[str, config_option("arms, store, services, task, ...")] = "experiment",
     runner: Annotated[
         str,
         typer.Option(
@@ -72,16 +81,11 @@ def run_cmd(
             "the same stages in this process (quick debugging)."
         ),
     ] = "kfp",
-    arm: Annotated[
-        list[str] | None, typer.Option(help="Run only this arm (repeatable).", show_default="every arm")
-    ] = None,
+    arm: Annotated[list[str] | None, shown("Run only this arm (repeatable).", "every arm")] = None,
     retries: Annotated[int, typer.Option(help="Re-runs of an arm after a failed step.")] = 1,
     fresh: Annotated[bool, typer.Option(help="Delete the arms' committed state and start over.")] = False,
     no_services: Annotated[
-        bool,
-        typer.Option(
-            "--no-services", help="Do not start the local S3 / MLflow / Ray services.", show_default="off"
-        ),
+        bool, flag("--no-services", "Do not start the local S3 / MLflow / Ray services.")
     ] = False,
 ) -> Done:
     """Run an experiment: every arm's remaining RL steps through the pipeline, then `compare`.
@@ -120,9 +124,7 @@ def compare_cmd(
         ),
     ] = None,
     baseline: Annotated[str, typer.Option(help="Arm the speedups are measured against.")] = "sync",
-    out: Annotated[
-        Path | None, typer.Option(help="Also write the comparison as JSON here.", show_default="not written")
-    ] = None,
+    out: Annotated[Path | None, shown("Also write the comparison as JSON here.", "not written")] = None,
 ) -> Done:
     """Compare the arms (one MLflow run per rollout policy) of an experiment: mean seconds per
     stage, speedup over the baseline, bubble ratio, accuracy; logs the table and a chart to the

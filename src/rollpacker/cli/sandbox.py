@@ -10,7 +10,7 @@ import typer
 
 from rollpacker.core.errors import RollpackerError
 
-from .common import Done, command
+from .common import Done, command, flag
 
 sandbox_app = typer.Typer(
     help="The secure code sandbox (nsjail) that code rewards run untrusted programs in.", no_args_is_help=True
@@ -28,10 +28,7 @@ def sandbox_run(
     ] = 10.0,
     memory_mb: Annotated[int, typer.Option(help="Address-space limit per process in the jail, MB.")] = 512,
     json_out: Annotated[
-        bool,
-        typer.Option(
-            "--json", help="Print the result as JSON (status, exec_s, per-test outcomes).", show_default="off"
-        ),
+        bool, flag("--json", "Print the result as JSON (status, exec_s, per-test outcomes).")
     ] = False,
 ) -> Done:
     """Run a program, then its tests in the same interpreter, in the nsjail sandbox.
@@ -45,10 +42,10 @@ def sandbox_run(
     from rollpacker.rewards.sandbox import Sandbox, SandboxLimits
 
     sources: dict[str, str] = {}
-    for flag, path in (("--code", code), ("--tests", tests)):
+    for name, path in (("--code", code), ("--tests", tests)):
         if not path.is_file():
-            raise RollpackerError(f"{flag} {path}: no such file; give the path of a Python source file")
-        sources[flag] = path.read_text(encoding="utf-8", errors="replace")
+            raise RollpackerError(f"{name} {path}: no such file; give the path of a Python source file")
+        sources[name] = path.read_text(encoding="utf-8", errors="replace")
     limits = SandboxLimits(wall_s=timeout_s + 10.0, cpu_s=timeout_s + 5.0, memory_mb=memory_mb, code_s=5.0)
     result = Sandbox(limits).run(sources["--code"], sources["--tests"], timeouts_s=timeout_s)
     if json_out:

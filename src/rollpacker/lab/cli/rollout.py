@@ -9,42 +9,51 @@ from typing import Annotated, Any
 
 import typer
 
-from rollpacker.cli.common import Done, SetOption, command, config_path, fail, parse_sets, say
+from rollpacker.cli.common import (
+    Done,
+    SetOption,
+    command,
+    config_option,
+    config_path,
+    fail,
+    parse_sets,
+    say,
+    shown,
+)
 
 from .groups import bench_app
+from .options import (
+    EngineSlots,
+    KvCacheGib,
+    ModelPreset,
+    Periods,
+    Preset,
+    Seed,
+    Shape,
+    TraceFile,
+    with_shape,
+)
 
 REPLAY_POLICIES = "sync,tail_batching,sorted,sorted_partial,partial"
 TASK_ARMS = "sync,tail_batching,tail_batching+spec,partial+spec"
+TASK_ARMS_HELP = f"Comma list of arms: {TASK_ARMS} (sync and tail_batching always run)."
 
 
 @command(bench_app, "rollout-replay")
+@with_shape(p0=16, r0=4, max_tokens=1024)
 def rollout_replay(
-    preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
-    trace: Annotated[
-        Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.", show_default="none")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Write the full report as JSON here.", show_default="not written")
-    ] = None,
-    p0: Annotated[int, typer.Option("--p0", help="P0: prompts (groups) trained per step.")] = 16,
-    r0: Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")] = 4,
-    eta_p: Annotated[float, typer.Option(help="Prompt speculation factor (1.0 disables).")] = 1.25,
-    eta_r: Annotated[float, typer.Option(help="Response speculation factor (1.0 disables).")] = 1.25,
-    max_tokens: Annotated[int, typer.Option(help="Max response length (traced lengths are clipped).")] = 1024,
-    concurrency: Annotated[
-        int, typer.Option(help="Engine concurrency limit (vLLM max_num_seqs), Q of the bubble ratio.")
-    ] = 128,
-    kv_cache_gib: Annotated[
-        int, typer.Option(help="Engine KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
-    ] = 2,
-    periods: Annotated[
-        int, typer.Option(help="Whole tail-batching periods to run (each ends with a long round).")
-    ] = 4,
-    model: Annotated[str, typer.Option(help="Tiny-model preset or a model directory.")] = "bench",
+    shape: Shape,
+    preset: Preset = "paper-cpu",
+    trace: TraceFile = None,
+    out: Annotated[Path | None, shown("Write the full report as JSON here.", "not written")] = None,
+    concurrency: EngineSlots = 128,
+    kv_cache_gib: KvCacheGib = 2,
+    periods: Periods = 4,
+    model: ModelPreset = "bench",
     engine: Annotated[
         str, typer.Option(help="`vllm` (real engine) or `fake` (simulated, for dry runs).")
     ] = "vllm",
-    seed: Annotated[int, typer.Option(help="Seed for the preset trace and prompt tokens.")] = 0,
+    seed: Seed = 0,
     policies: Annotated[
         str,
         typer.Option(
@@ -52,17 +61,15 @@ def rollout_replay(
             "(sync and tail_batching always run: they are the baseline)."
         ),
     ] = REPLAY_POLICIES,
-    group_size: Annotated[
-        int, typer.Option(help="SortedRL group size n: update batches loaded into the buffer at once.")
-    ] = 4,
+    group_size: Annotated[int, typer.Option(help="SortedRL group size n (update batches buffered).")] = 4,
     scaledown_replicas: Annotated[
         int, typer.Option(help="DP replicas of the rollout for Algorithm 1's scale-down report (0 = off).")
     ] = 4,
     scaledown_kv_tokens: Annotated[
         int | None,
-        typer.Option(
-            help="KV capacity per replica in tokens, for the scale-down report.",
-            show_default="the engine's, estimated, / replicas",
+        shown(
+            "KV capacity per replica in tokens, for the scale-down report.",
+            "the engine's, estimated, / replicas",
         ),
     ] = None,
 ) -> Done:
@@ -84,20 +91,12 @@ def rollout_replay(
         run_benchmark,
         write_report,
     )
-    from rollpacker.core.config import RolloutConfig, SortedConfig
+    from rollpacker.core.config import SortedConfig
     from rollpacker.core.paths import writable_file
 
     out = writable_file(out) if out is not None else None
-    rc = RolloutConfig(
-        prompts_per_step=p0,
-        responses_per_prompt=r0,
-        eta_p=eta_p,
-        eta_r=eta_r,
-        max_tokens=max_tokens,
-        sorted=SortedConfig(group_size=group_size),
-    )
     cfg = BenchConfig(
-        rollout=rc,
+        rollout=shape.rollout(sorted=SortedConfig(group_size=group_size)),
         periods=periods,
         seed=seed,
         policies=bench_policies(policies),
@@ -106,7 +105,7 @@ def rollout_replay(
     )
     records, source = load_trace(trace, preset, seed)
     longest_prompt = max(r.prompt_len for r in records)
-    eng = make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + max_tokens + 8, seed)
+    eng = make_engine(engine, model, concurrency, kv_cache_gib, longest_prompt + shape.max_tokens + 8, seed)
     try:
         report = run_benchmark(eng, records, cfg, source=source, progress=progress(), log=say("[bench] "))
     finally:
@@ -119,19 +118,9 @@ def rollout_replay(
 
 @command(bench_app, "rollout-task")
 def rollout_task(
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML (task, model, rollout, engine); NAME: shipped.")
-    ] = "experiment",
-    arms: Annotated[
-        str,
-        typer.Option(
-            help="Comma list of arms: sync, tail_batching, tail_batching+spec, partial+spec "
-            "(sync and tail_batching always run)."
-        ),
-    ] = TASK_ARMS,
-    periods: Annotated[
-        int, typer.Option(help="Whole tail-batching periods to run (each ends with a long round).")
-    ] = 4,
+    config: Annotated[str, config_option("task, model, rollout, engine")] = "experiment",
+    arms: Annotated[str, typer.Option(help=TASK_ARMS_HELP)] = TASK_ARMS,
+    periods: Periods = 4,
     tail_batch: Annotated[
         int, typer.Option(help="Engine steps with at most this many requests running: the tail.")
     ] = 16,

@@ -10,19 +10,24 @@ from typing import Annotated
 
 import typer
 
-from rollpacker.cli.common import Done, ReportOption, command, config_path, say
+from rollpacker.cli.common import Done, ReportOption, command, config_option, config_path, say, shown
 
 from .groups import bench_app, lab_app
-
-TraceOption = Annotated[
-    Path | None, typer.Option(help="JSON Lines trace file; overrides --preset.", show_default="none")
-]
-P0Option = Annotated[int, typer.Option("--p0", help="P0: prompts trained per step.")]
-R0Option = Annotated[int, typer.Option("--r0", help="R0: responses per prompt.")]
+from .options import (
+    ModelPreset,
+    Policies,
+    Preset,
+    Seed,
+    Shape,
+    TraceFile,
+    with_shape,
+)
 
 
 @command(lab_app, "whatif")
+@with_shape(p0=16, r0=4, max_tokens=1024)
 def whatif_cmd(
+    shape: Shape,
     hardware: Annotated[
         str,
         typer.Option(
@@ -32,33 +37,18 @@ def whatif_cmd(
     ] = "h800",
     model: Annotated[
         str | None,
-        typer.Option(
-            help="Shipped model (qwen2.5-7b, -14b, -32b) or a spec YAML; needed with a roofline --hardware.",
-            show_default="none",
-        ),
+        shown("Shipped model (qwen2.5-7b, -14b, -32b) or a spec YAML; needed with a roofline --hardware."),
     ] = None,
-    tp: Annotated[
-        int | None, typer.Option(help="TP size of the policy comparison.", show_default="every TP compared")
-    ] = None,
-    gpus: Annotated[
-        int | None, typer.Option(help="Rollout devices (DP = gpus / TP).", show_default="one node")
-    ] = None,
-    preset: Annotated[
-        str, typer.Option(help="Trace preset (`rollpacker trace presets`, or paper-8k/16k/32k).")
-    ] = "paper-cpu",
-    trace: TraceOption = None,
+    tp: Annotated[int | None, shown("TP size of the policy comparison.", "every TP compared")] = None,
+    gpus: Annotated[int | None, shown("Rollout devices (DP = gpus / TP).", "one node")] = None,
+    preset: Preset = "paper-cpu",
+    trace: TraceFile = None,
     mlflow_run: Annotated[
-        str | None,
-        typer.Option(help="Take the trace from this MLflow run's recorded lengths.", show_default="none"),
+        str | None, shown("Take the trace from this MLflow run's recorded lengths.")
     ] = None,
     tracking_uri: Annotated[
-        str, typer.Option(help="MLflow tracking URI for --mlflow-run.")
+        str, typer.Option(help="Tracking URI for --mlflow-run.")
     ] = "http://127.0.0.1:5000",
-    p0: P0Option = 16,
-    r0: R0Option = 4,
-    eta_p: Annotated[float, typer.Option(help="Prompt speculation factor of the comparison.")] = 1.25,
-    eta_r: Annotated[float, typer.Option(help="Response speculation factor of the comparison.")] = 1.25,
-    max_tokens: Annotated[int, typer.Option(help="Max response length.")] = 1024,
     concurrency: Annotated[
         int, typer.Option(help="Request slots per replica (max_num_seqs); 0 = every launched request.")
     ] = 0,
@@ -67,10 +57,8 @@ def whatif_cmd(
     grid_eta_p: Annotated[str, typer.Option(help="Grid: comma list of eta_p.")] = "1.0,1.25,1.5",
     grid_eta_r: Annotated[str, typer.Option(help="Grid: comma list of eta_r.")] = "1.0,1.25,1.5",
     grid_p0: Annotated[str, typer.Option(help="Grid: comma list of P0.", show_default="--p0 only")] = "",
-    policies: Annotated[
-        str, typer.Option(help="Comma list of policies (sync and tail_batching always run).")
-    ] = "sync,tail_batching,sorted,sorted_partial,partial",
-    seed: Annotated[int, typer.Option(help="Seed of the preset trace.")] = 0,
+    policies: Policies = "sync,tail_batching,sorted,sorted_partial,partial",
+    seed: Seed = 0,
     out: Annotated[Path, typer.Option(help="JSON report path (the plot goes beside it, .png).")] = Path(
         "build/whatif.json"
     ),
@@ -85,11 +73,7 @@ def whatif_cmd(
 
     out = writable_file(out)
     cfg = WhatIfConfig(
-        p0=p0,
-        r0=r0,
-        eta_p=eta_p,
-        eta_r=eta_r,
-        max_tokens=max_tokens,
+        **dataclasses.asdict(shape),
         concurrency=concurrency,
         periods=periods,
         grid_periods=grid_periods,
@@ -108,18 +92,15 @@ def whatif_cmd(
 
 
 @command(bench_app, "whatif")
+@with_shape(p0=8, r0=4, max_tokens=512, eta=None)
 def bench_whatif(
+    shape: Shape,
     traces: Annotated[
         str, typer.Option(help="Validation traces, comma list of PRESET:SEED (none is used for fitting).")
     ] = "paper-cpu:1,paper-cpu:2",
-    policies: Annotated[str, typer.Option(help="Comma list of policies to validate.")] = (
-        "sync,tail_batching,sorted,partial"
-    ),
-    p0: P0Option = 8,
-    r0: R0Option = 4,
-    max_tokens: Annotated[int, typer.Option(help="Max response length (traced lengths are clipped).")] = 512,
+    policies: Policies = "sync,tail_batching,sorted,partial",
     concurrency: Annotated[int, typer.Option(help="Engine concurrency limit (max_num_seqs).")] = 64,
-    model: Annotated[str, typer.Option(help="Tiny-model preset of the real engine.")] = "bench",
+    model: ModelPreset = "bench",
     out: ReportOption = Path("build/whatif-validation.json"),
 ) -> Done:
     """Validate the what-if simulator on the real vLLM engine: fit a profile (`rollpacker lab profile`'s
@@ -134,9 +115,9 @@ def bench_whatif(
     vc = ValidationConfig(
         model=model,
         traces=parse_traces(traces),
-        p0=p0,
-        r0=r0,
-        max_tokens=max_tokens,
+        p0=shape.p0,
+        r0=shape.r0,
+        max_tokens=shape.max_tokens,
         concurrency=concurrency,
         policies=bench_policies(policies),
     )
@@ -147,13 +128,12 @@ def bench_whatif(
 
 @command(bench_app, "whatif-papers")
 def bench_whatif_papers(
-    seed: Annotated[int, typer.Option(help="Seed of the paper-like traces.")] = 0,
+    seed: Seed = 0,
     out: ReportOption = Path("build/whatif-papers.json"),
     only: Annotated[
         list[str] | None,
-        typer.Option(
-            help="Run one part only: rollpacker (RollPacker's cases) or sortedrl (SortedRL 4.4.1).",
-            show_default="both parts",
+        shown(
+            "Run one part only: rollpacker (RollPacker's cases) or sortedrl (SortedRL 4.4.1).", "both parts"
         ),
     ] = None,
 ) -> Done:
@@ -172,13 +152,8 @@ def bench_whatif_papers(
 
 @command(lab_app, "profile")
 def profile_cmd(
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML: model, engine, planner grid, task; NAME: shipped.")
-    ] = "experiment",
-    layouts: Annotated[
-        str,
-        typer.Option(help="Layouts to profile, e.g. tp1dp2,tp2dp1.", show_default="every TP of the node"),
-    ] = "",
+    config: Annotated[str, config_option("model, engine, planner grid, task")] = "experiment",
+    layouts: Annotated[str, shown("Layouts to profile, e.g. tp1dp2,tp2dp1.", "every TP of the node")] = "",
     held_out: Annotated[int, typer.Option(help="Held-out validation prompts decoded per layout.")] = 64,
     out: Annotated[Path, typer.Option(help="Profile JSON (the table and its validation).")] = Path(
         "build/profile.json"
@@ -202,24 +177,20 @@ def profile_cmd(
 
 
 @command(bench_app, "planner")
+@with_shape(p0=16, r0=4, max_tokens=1024, eta=None)
 def bench_planner(
+    shape: Shape,
     profile: Annotated[
-        Path | None,
-        typer.Option(help="Profile JSON from `rollpacker lab profile`.", show_default="none: profile now"),
+        Path | None, shown("Profile JSON from `rollpacker lab profile`.", "none: profile now")
     ] = None,
-    config: Annotated[
-        str, typer.Option(help="Experiment YAML (model, engine, planner); NAME: shipped.")
-    ] = "experiment",
-    preset: Annotated[str, typer.Option(help="Trace preset (see `rollpacker trace presets`).")] = "paper-cpu",
-    trace: TraceOption = None,
+    config: Annotated[str, config_option("model, engine, planner")] = "experiment",
+    preset: Preset = "paper-cpu",
+    trace: TraceFile = None,
     steps: Annotated[int, typer.Option(help="Tail-batching steps simulated per mode.")] = 12,
     real_steps: Annotated[int, typer.Option(help="Steps run on the real engines per mode (0: none).")] = 4,
-    p0: P0Option = 16,
-    r0: R0Option = 4,
-    max_tokens: Annotated[int, typer.Option(help="Max response length.")] = 1024,
     check_every: Annotated[int, typer.Option(help="Engine steps between switch decisions.")] = 16,
     constrained_kv: Annotated[
-        int, typer.Option(help="KV tokens of a TP-1 replica in the memory-constrained scenario.")
+        int, typer.Option(help="KV tokens of a TP-1 replica (constrained scenario).")
     ] = 3_000,
     weights_share: Annotated[
         float, typer.Option(help="Share of a device the weights take at TP 1 (constrained scenario).")
@@ -237,11 +208,15 @@ def bench_planner(
 
     out = writable_file(out)
     cfg = load_config(config_path(config))
-    engine = dataclasses.replace(cfg.engine, max_model_len=max(cfg.engine.max_model_len, max_tokens + 160))
+    engine = dataclasses.replace(
+        cfg.engine, max_model_len=max(cfg.engine.max_model_len, shape.max_tokens + 160)
+    )
     cfg = dataclasses.replace(cfg, engine=engine)
     records, source = load_trace(trace, preset, cfg.seed)
     bcfg = PlannerBenchConfig(
-        rollout=RolloutConfig(prompts_per_step=p0, responses_per_prompt=r0, max_tokens=max_tokens),
+        rollout=RolloutConfig(
+            prompts_per_step=shape.p0, responses_per_prompt=shape.r0, max_tokens=shape.max_tokens
+        ),
         max_num_seqs=cfg.engine.max_num_seqs,
         steps=steps,
         real_steps=real_steps,
