@@ -50,9 +50,9 @@ def bench_learning(
 ) -> Done:
     """Train every (arm, seed) through the one step path on the same config and compare validation
     accuracy after the same number of trained samples; checks every prompt is trained exactly once."""
-    from rollpacker.bench.learning import learning_arms, log_to_mlflow, plot, render, run_learning
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.learning import learning_arms, log_to_mlflow, plot, render, run_learning
 
     chosen = learning_arms(arms)
     seed_list = [int(x) for x in seeds.split(",")]
@@ -82,8 +82,8 @@ def bench_reward(
 ) -> Done:
     """Reward-stage seconds with adaptive vs fixed sandbox timeouts, measured in one run on the
     real sandbox, on a code workload where a share of responses never terminate (docs/sandbox.md)."""
-    from rollpacker.bench.reward import render, run_reward_bench
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.reward import render, run_reward_bench
 
     out = writable_file(out)
     report = run_reward_bench(
@@ -118,8 +118,8 @@ def bench_sandbox_load(
     (docs/operations.md, "The sandbox under load"). Exits 1 on an escape or a leftover."""
     from tqdm import tqdm
 
-    from rollpacker.bench.sandbox_load import render, run_sandbox_load
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.sandbox_load import render, run_sandbox_load
 
     out = writable_file(out)
     with tqdm(total=runs, desc="sandbox load", unit="run", file=sys.stderr) as bar:
@@ -143,8 +143,8 @@ def bench_reward_tail(
     """The reward left after rollout (reward/tail_s) against the synchronous reward stage, with and
     without reference-solution anchors, on the real reward service and sandbox; every cut response
     is re-run at t_max to count correct ones cut (docs/sandbox.md)."""
-    from rollpacker.bench.reward_tail import render, run_reward_tail_bench
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.reward_tail import render, run_reward_tail_bench
 
     out = writable_file(out)
     report = run_reward_tail_bench(
@@ -178,8 +178,8 @@ def bench_scaledown(
 ) -> Done:
     """RollPacker's Algorithm 1 at runtime, on and off, on the same tail-batching arm in one run:
     step, rollout and train seconds and the trainer's devices over each step (docs/parallelism.md)."""
-    from rollpacker.bench.scaledown import render, run_scaledown_bench
     from rollpacker.core.paths import writable_dir
+    from rollpacker.lab.bench.scaledown import render, run_scaledown_bench
 
     out_dir = writable_dir(out_dir, "--out-dir")
     cfg_path = config_path(config)
@@ -206,9 +206,9 @@ def bench_speculation(
     """Tail decoding with and without speculative drafts (siblings, history, n-gram) on the real
     engine and the config's task: tokens per second, acceptance, the share of time spent drafting
     (docs/speculation.md)."""
-    from rollpacker.bench.speculation import render, run_speculation_bench, write
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.speculation import render, run_speculation_bench, write
     from rollpacker.logs import library_output_to, log_path
 
     out = writable_file(out)
@@ -237,9 +237,9 @@ def bench_overhead(
 ) -> Done:
     """Where a KFP task's seconds go outside the stage's work: process start, the KFP executor,
     imports, joining and leaving Ray; the per-step floor they imply (docs/pipeline.md, "Overhead")."""
-    from rollpacker.bench.overhead import main, render
     from rollpacker.core.paths import writable_file
     from rollpacker.devservices import local_ray_address
+    from rollpacker.lab.bench.overhead import main, render
 
     addr = ray_address or os.environ.get("RAY_ADDRESS", "") or local_ray_address()
     m = main(writable_file(out), repeats, tasks, addr)
@@ -258,8 +258,8 @@ def bench_gpu(
 ) -> Done:
     """Measure on one GPU what rollpacker claims for GPUs: probe, decode profile of a 7B-shaped model,
     the policies priced by it, the predictor's error, trainer / megatron / judge on CUDA
-    (docs/benchmarks.md). The same as `python -m rollpacker.bench.gpu` (Python 3.12, no install)."""
-    from rollpacker.bench.gpu.runner import main
+    (docs/benchmarks.md). The same as `python -m rollpacker.lab.bench.gpu` (Python 3.12, no install)."""
+    from rollpacker.lab.bench.gpu.runner import main
 
     args = ["--out", str(out), *(["--tiny"] if tiny else []), "--only", "" if only == "all" else only]
     return Done(code=main(args + (["--deadline-s", str(deadline_s)] if deadline_s else [])))
@@ -272,6 +272,6 @@ def bench_gpu_calibrate(
 ) -> Done:
     """Fit the what-if roofline's efficiencies and step overhead to a `bench gpu` profile: a hardware
     spec for `whatif --hardware`, with the roofline's error per batch size before and after."""
-    from rollpacker.bench.gpu.runner import main
+    from rollpacker.lab.bench.gpu.runner import main
 
     return Done(code=main(["calibrate", str(result), "--out", str(out)]))

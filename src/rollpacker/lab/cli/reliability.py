@@ -44,8 +44,8 @@ def soak_cmd(
     service process's RSS, threads and open fds and the object store's size; print the growth per
     100 steps (docs/operations.md, "Soak"). Exits 1 when a series grows past --max-growth-pct or a
     garbage-collected part of the store is not bounded."""
-    from rollpacker.bench.soak import render, run_soak
     from rollpacker.core.paths import writable_dir, writable_file
+    from rollpacker.lab.bench.soak import render, run_soak
     from rollpacker.logs import library_output_to
 
     out = writable_file(out)
@@ -94,8 +94,8 @@ def chaos_cmd(
     processes, an S3 restart, MLflow down for a step, a hung sandbox run), then check that every
     fault was recovered within the run, no prompt was lost or trained twice, the state matches a
     fault-free run, and nothing was left behind (docs/operations.md, "Chaos"). Exits 1 otherwise."""
-    from rollpacker.bench.chaos import render, run_chaos
     from rollpacker.core.paths import writable_dir, writable_file
+    from rollpacker.lab.bench.chaos import render, run_chaos
     from rollpacker.logs import library_output_to
 
     out = writable_file(out)

@@ -82,7 +82,9 @@ def rollout_replay(
     paper's figures), off-policy lag, rollout efficiency and token waste, plus the engine's
     batch-scaling curve measured in the same run.
     """
-    from rollpacker.bench.replay import (
+    from rollpacker.core.config import SortedConfig
+    from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.replay import (
         BenchConfig,
         bench_policies,
         load_trace,
@@ -91,8 +93,6 @@ def rollout_replay(
         run_benchmark,
         write_report,
     )
-    from rollpacker.core.config import SortedConfig
-    from rollpacker.core.paths import writable_file
 
     out = writable_file(out) if out is not None else None
     cfg = BenchConfig(
@@ -132,9 +132,9 @@ def rollout_task(
     batching + speculation and partial rollout + speculation on the same prompts (`--periods`
     tail-batching periods); rollout seconds per trained step, tokens per second in the tail, draft
     acceptance (docs/speculation.md)."""
-    from rollpacker.bench.task_rollout import render, run_task_rollout_bench, write
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.task_rollout import render, run_task_rollout_bench, write
     from rollpacker.logs import library_output_to, log_path
 
     out = writable_file(out)

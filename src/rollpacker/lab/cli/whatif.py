@@ -66,10 +66,10 @@ def whatif_cmd(
     """Predict each rollout policy's speedup on your model, GPUs and length distribution before
     spending them: the real policies on a simulated engine priced by a roofline or a measured
     profile; a grid over eta_p, eta_r, P0 and TP recommends settings (docs/whatif.md)."""
-    from rollpacker.bench.replay import bench_policies
-    from rollpacker.bench.whatif.report import plot, render
-    from rollpacker.bench.whatif.run import WhatIfConfig, parse_list, whatif, write_json
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.replay import bench_policies
+    from rollpacker.lab.bench.whatif.report import plot, render
+    from rollpacker.lab.bench.whatif.run import WhatIfConfig, parse_list, whatif, write_json
 
     out = writable_file(out)
     cfg = WhatIfConfig(
@@ -106,10 +106,10 @@ def bench_whatif(
     """Validate the what-if simulator on the real vLLM engine: fit a profile (`rollpacker lab profile`'s
     measurement), then per trace simulate every policy on it and replay it for real; prints the
     error of rollout seconds per trained step per policy (docs/whatif.md)."""
-    from rollpacker.bench.replay import bench_policies
-    from rollpacker.bench.whatif.run import write_json
-    from rollpacker.bench.whatif.validate import ValidationConfig, parse_traces, render, validate
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.replay import bench_policies
+    from rollpacker.lab.bench.whatif.run import write_json
+    from rollpacker.lab.bench.whatif.validate import ValidationConfig, parse_traces, render, validate
 
     out = writable_file(out)
     vc = ValidationConfig(
@@ -140,9 +140,9 @@ def bench_whatif_papers(
     """The what-if simulator on paper-like workloads (H800, Qwen2.5-7B/14B/32B, P0=128, R0=8,
     8k/16k/32k; SortedRL's 32B experiment on H100 with its sensitivity runs) beside RollPacker's
     and SortedRL's reported figures; prints Markdown tables."""
-    from rollpacker.bench.whatif.papers import PARTS, render_papers, run_papers
-    from rollpacker.bench.whatif.run import write_json
     from rollpacker.core.paths import writable_file
+    from rollpacker.lab.bench.whatif.papers import PARTS, render_papers, run_papers
+    from rollpacker.lab.bench.whatif.run import write_json
 
     out = writable_file(out)
     report = run_papers(say("[whatif] "), seed, tuple(only or PARTS))
@@ -167,7 +167,7 @@ def profile_cmd(
     from rollpacker.core.latency import ProfileTable
     from rollpacker.core.paths import writable_file
     from rollpacker.engines.profiler import plot_profile
-    from rollpacker.profiling import profile_layouts, render_profile
+    from rollpacker.lab.profiling import profile_layouts, render_profile
 
     out = writable_file(out)
     doc = profile_layouts(load_config(config_path(config)), layouts, held_out, typer.echo)
@@ -200,11 +200,11 @@ def bench_planner(
     """Fixed layouts vs the per-step planner (RollPacker) vs in-step switching (PAT) on the replay
     trace, in one run: simulated on the profile's predictor (measured and KV-constrained memory)
     and, with --real-steps, on this machine's real vLLM engines. Prints the table, writes JSON."""
-    from rollpacker.bench.planner import PlannerBenchConfig, render
-    from rollpacker.bench.replay import load_trace
     from rollpacker.core.config import RolloutConfig, load_config
     from rollpacker.core.paths import writable_file
-    from rollpacker.profiling import planner_benchmark
+    from rollpacker.lab.bench.planner import PlannerBenchConfig, render
+    from rollpacker.lab.bench.replay import load_trace
+    from rollpacker.lab.profiling import planner_benchmark
 
     out = writable_file(out)
     cfg = load_config(config_path(config))
