@@ -10,7 +10,7 @@ import typer
 
 from rollpacker.core.errors import RollpackerError
 
-from .common import CONFIG_HELP, Done, SetOption, command, config_path, parse_sets, shown
+from .common import ConfigOption, Done, SetOption, command, config_path, parse_sets, shown
 
 model_app = typer.Typer(help="Tiny local models (no downloads).", no_args_is_help=True)
 trace_app = typer.Typer(help="Length traces for the replay benchmark.", no_args_is_help=True)
@@ -63,7 +63,7 @@ def model_build(
 
 @command(model_app, "warmup")
 def model_warmup(
-    config: Annotated[str, typer.Option(help=CONFIG_HELP)] = "default",
+    config: ConfigOption = "default",
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     steps: Annotated[int | None, shown("Supervised steps.", "the config's model.warmup_steps")] = None,
     preset: Annotated[str | None, shown("Tiny-model preset.", "the config's model.preset")] = None,

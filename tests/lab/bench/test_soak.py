@@ -154,7 +154,7 @@ def test_store_usage_by_part(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_short_soak_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "-m", "rollpacker.cli", "soak", "--steps", "4", "--warmup", "1"]
+    cmd = [sys.executable, "-m", "rollpacker", "lab", "soak", "--steps", "4", "--warmup", "1"]
     cmd += ["--max-growth-pct", "1000", "--out-dir", str(tmp_path / "soak"), "--out", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -137,7 +137,7 @@ def test_whatif_config_refuses_bad_settings() -> None:
 
 def _invoke(*args: str) -> tuple[int, str, float]:
     t0 = time.perf_counter()
-    res = CliRunner().invoke(app, ["whatif", *args])
+    res = CliRunner().invoke(app, ["lab", "whatif", *args])
     return res.exit_code, res.output, time.perf_counter() - t0
 
 
