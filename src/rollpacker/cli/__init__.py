@@ -27,10 +27,10 @@ import copy
 import importlib
 import os
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperGroup
 
 from .common import failure
 from .config import config_app
@@ -39,6 +39,9 @@ from .pipeline import pipeline_app
 from .run import run_app
 from .sandbox import sandbox_app
 from .services import services_app
+
+if TYPE_CHECKING:
+    from typer import _click  # typer vendors click; TyperGroup's methods are typed with it
 
 # The lab's commands by name: "lab" is its group; the others are the spellings users knew before the
 # lab had a group of its own (`rollpacker bench ...`, `rollpacker whatif`, ...), kept working, hidden.
@@ -49,10 +52,10 @@ LAB = ("lab", "bench", "whatif", "profile", "soak", "chaos")
 class Root(TyperGroup):
     """The root group: the product's commands, and the lab's mounted by name (see :data:`LAB`)."""
 
-    def list_commands(self, ctx: typer.Context) -> list[str]:
+    def list_commands(self, ctx: _click.Context) -> list[str]:
         return [*super().list_commands(ctx), *LAB]
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> TyperCommand | TyperGroup | None:
+    def get_command(self, ctx: _click.Context, cmd_name: str) -> _click.Command | None:
         if cmd_name not in LAB:
             return super().get_command(ctx, cmd_name)
         lab = typer.main.get_group(importlib.import_module(LAB_MODULE).lab_app)

@@ -103,7 +103,7 @@ def command(
     """Register ``fn`` as ``group``'s command ``name``: expected failures (``RollpackerError``,
     ``ValueError``, ``OSError`` and ``expected``) become one ``error:`` line and exit code 2; the
     returned :class:`Done` is shown. ``options`` go to ``typer.Typer.command`` (``hidden=True``...)."""
-    caught = (RollpackerError, ValueError, OSError, *expected)
+    caught: tuple[type[Exception], ...] = (RollpackerError, ValueError, OSError, *expected)
 
     def register(fn: Callable[P, Done | None]) -> Callable[P, Done | None]:
         @functools.wraps(fn)

@@ -90,7 +90,10 @@ def model_warmup(
         )
     spec = warmup_spec(cfg)
     with tqdm(total=spec.steps, desc="warm-up", unit="step") as bar:
-        path = warm_up(
-            spec, force=force, progress=lambda _s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))
-        )
+
+        def tick(_step: int, loss: float) -> None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+        path = warm_up(spec, force=force, progress=tick)
     return Done(json.dumps({"path": str(path), **json.loads((path / "warmup.json").read_text())}))

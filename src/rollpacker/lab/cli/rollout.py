@@ -173,7 +173,7 @@ def progress() -> Callable[[str, Any], None]:
     """A progress bar per policy on stderr, one tick per step."""
     from tqdm import tqdm
 
-    bars: dict[str, tqdm] = {}  # type: ignore[type-arg]
+    bars: dict[str, tqdm] = {}
 
     def on(policy: str, m: Any) -> None:
         bar = bars.get(policy)
