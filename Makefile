@@ -76,15 +76,15 @@ train: setup
 # batching, 3 seeds each through the one step path; ~1 hour on 2 cores, docs/training.md).
 LEARNING_ARMS ?= sync,tail_batching,control,dapo,reinforce_pp,gspo
 bench: setup
-	$(VENV)/bin/rollpacker bench rollout --preset paper-cpu --out $(BENCH_OUT)
-	$(VENV)/bin/rollpacker bench learning --config learning --arms $(LEARNING_ARMS) --out build/bench-learning.json
+	$(VENV)/bin/rollpacker lab bench rollout-replay --preset paper-cpu --out $(BENCH_OUT)
+	$(VENV)/bin/rollpacker lab bench learning --config learning --arms $(LEARNING_ARMS) --out build/bench-learning.json
 
 # Reliability on one machine (docs/operations.md): 256 sandbox runs, a quarter hostile (0 escapes,
 # 0 leftovers), then a 200-step soak (RSS / threads / fds of every service and the store per step).
 .PHONY: soak
 soak: setup
-	$(VENV)/bin/rollpacker bench sandbox-load
-	$(VENV)/bin/rollpacker soak --steps 200
+	$(VENV)/bin/rollpacker lab bench sandbox-load
+	$(VENV)/bin/rollpacker lab soak --steps 200
 
 # The chaos suite (docs/operations.md, "Chaos"): sync and tail-batching arms through kfp.local on
 # services of its own, faults of every kind at seeded random steps (stage, service and vLLM engine
@@ -95,7 +95,7 @@ soak: setup
 CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: setup
-	$(VENV)/bin/rollpacker chaos --steps 30 --faults 12 --seed 0 --arms sync,tail_batching --devices 1 $(CHAOS_ARGS)
+	$(VENV)/bin/rollpacker lab chaos --steps 30 --faults 12 --seed 0 --arms sync,tail_batching --devices 1 $(CHAOS_ARGS)
 
 # The KFP pipelines as YAML for the KFP UI/API: build/rl_step.yaml, build/rl_experiment.yaml (the
 # config's `steps` chained). Images: components/images.py, or ROLLPACKER_IMAGE_<NAME>=... make compile.

@@ -7,6 +7,8 @@ collects every import of a module under those roots — module-level, function-l
 
 - upward imports: a module importing a module of a higher layer; imports within one layer are
   allowed (also between different packages of that layer) unless the pair is listed as forbidden;
+- imports of a wing (a package kept apart from the product, like the lab) by any module outside it,
+  whatever the layers say;
 - modules the layer table does not place (a new package must be given a layer);
 - cycles between modules (a strongly connected component of more than one module) and cycles
   between packages (each module collapsed to its package, ``rollpacker.X``).
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 FIX_UPWARD = "move the code down or pass it in (a parameter, a callback, a Protocol in the lower layer)"
+FIX_WING = "the product never depends on a wing: move what it needs out of the wing, or pass it in"
 FIX_CYCLE = "break it: move the shared code into the lower module, or pass it in"
 
 
@@ -68,14 +71,18 @@ class Graph:
 
 @dataclass(frozen=True)
 class Violation:
-    kind: str  # "upward" | "forbidden"
+    kind: str  # "upward" | "forbidden" | "wing"
     imp: Import
     importer_layer: int
     imported_layer: int
 
     def __str__(self) -> str:
         i = self.imp
-        tail = FIX_UPWARD if self.kind == "upward" else "this pair is listed as forbidden; " + FIX_UPWARD
+        tail = {
+            "upward": FIX_UPWARD,
+            "forbidden": "this pair is listed as forbidden; " + FIX_UPWARD,
+            "wing": f"{i.imported} is in a wing; {FIX_WING}",
+        }[self.kind]
         return (
             f"{i.path}:{i.line}: {i.importer} (layer {self.importer_layer}) imports {i.imported} "
             f"(layer {self.imported_layer}): {self.kind} import; {tail}"
@@ -229,9 +236,28 @@ def upward_imports(
     return out
 
 
-def report(graph: Graph, layers: Mapping[str, int], forbidden: Iterable[tuple[str, str]] = ()) -> list[str]:
-    """Every finding as one message: unplaced modules, upward imports, module and package cycles."""
+def wing_imports(graph: Graph, layers: Mapping[str, int], wings: Iterable[str]) -> list[Violation]:
+    """Every import of a module under a wing (a package prefix) by a module outside that wing."""
+    out: list[Violation] = []
+    for imp in graph.imports:
+        for wing in wings:
+            inside = imp.importer == wing or imp.importer.startswith(wing + ".")
+            if not inside and (imp.imported == wing or imp.imported.startswith(wing + ".")):
+                la, lb = layer_of(imp.importer, layers), layer_of(imp.imported, layers)
+                out.append(Violation("wing", imp, -1 if la is None else la, -1 if lb is None else lb))
+    return out
+
+
+def report(
+    graph: Graph,
+    layers: Mapping[str, int],
+    forbidden: Iterable[tuple[str, str]] = (),
+    wings: Iterable[str] = (),
+) -> list[str]:
+    """Every finding as one message: unplaced modules, upward and wing imports, module and package
+    cycles."""
     found = [*unplaced(graph, layers), *map(str, upward_imports(graph, layers, forbidden))]
+    found += map(str, wing_imports(graph, layers, wings))
     return found + [str(c) for c in module_cycles(graph) + package_cycles(graph)]
 
 

@@ -6,6 +6,7 @@ The checker (``tests/layers.py``) reads the source with ``ast``; nothing is impo
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from .layers import (
     scan,
     unplaced,
     upward_imports,
+    wing_imports,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,9 +57,11 @@ LAYERS: dict[str, int] = {
     "rollpacker.submit": 5,
     "rollpacker.deploy": 5,
     "rollpacker.experiment": 6,
-    "rollpacker.profiling": 6,
-    "rollpacker.bench": 6,
     "rollpacker.cli": 7,
+    "rollpacker.__main__": 7,  # `python -m rollpacker`: the command
+    # the lab (benchmarks, what-if, profiling, soak, chaos): above everything, imported by nothing
+    # of the product; the command root mounts its group by name (rollpacker.cli.LAB)
+    "rollpacker.lab": 8,
 }
 # Imports the order alone would allow but that are not: the components use only the stages' edge
 # and below, never each other's pipelines; the stages never build or train a model (the model
@@ -68,6 +72,9 @@ FORBIDDEN: tuple[tuple[str, str], ...] = (
     *(("rollpacker.stages", m) for m in MODEL_PREPARATION),
     ("rollpacker.services", "rollpacker.devservices"),
 )
+# Wings: packages kept apart from the product. Nothing outside a wing imports it, whatever its layer
+# (the command root mounts the lab's group by name only: rollpacker.cli.LAB).
+WINGS: tuple[str, ...] = ("rollpacker.lab",)
 
 
 def _real_tree() -> Graph:
@@ -89,6 +96,21 @@ def test_every_module_has_a_layer() -> None:
 def test_no_upward_imports() -> None:
     found = [str(v) for v in upward_imports(_real_tree(), LAYERS, FORBIDDEN)]
     assert not found, "imports against the layer order:\n" + "\n".join(found)
+
+
+def test_the_product_imports_nothing_of_the_lab() -> None:
+    found = [str(v) for v in wing_imports(_real_tree(), LAYERS, WINGS)]
+    assert not found, "product modules importing a wing:\n" + "\n".join(found)
+
+
+def test_the_command_root_mounts_the_lab_by_name() -> None:
+    from rollpacker import cli
+
+    assert cli.LAB_MODULE.startswith(WINGS[0] + ".")
+    lab = importlib.import_module(cli.LAB_MODULE)
+    assert {"bench", "whatif", "profile", "soak", "chaos"} <= {
+        c.name or c.callback.__name__ for c in lab.lab_app.registered_commands
+    } | {g.name for g in lab.lab_app.registered_groups}
 
 
 def test_no_cycles() -> None:
@@ -201,6 +223,35 @@ def test_relative_imports_resolve(tmp_path: Path) -> None:
     ]
 
 
+def test_planted_wing_import_is_caught(tmp_path: Path) -> None:
+    _write(
+        tmp_path / "pkg",
+        {
+            "__init__.py": "",
+            "core/__init__.py": "",
+            "services/__init__.py": "",
+            "services/s.py": "from pkg.core import a\n",
+            "core/a.py": "",
+            "lab/__init__.py": "",
+            "lab/tool.py": "from pkg.services import s\n",  # the wing imports the product: fine
+            "lab/more.py": "from . import tool\n",  # inside the wing: fine
+        },
+    )
+    layers = {**PLANTED_LAYERS, "pkg.lab": 3}
+    assert wing_imports(scan([tmp_path / "pkg"]), layers, ["pkg.lab"]) == []
+    # a product module at any layer that imports the wing, even lazily
+    (tmp_path / "pkg/services/s.py").write_text("def f():\n    from pkg.lab import tool\n    return tool\n")
+    found = wing_imports(scan([tmp_path / "pkg"], base=tmp_path), layers, ["pkg.lab"])
+    assert [(v.kind, v.imp.importer, v.imp.imported, v.imp.line) for v in found] == [
+        ("wing", "pkg.services.s", "pkg.lab.tool", 2)
+    ]
+    assert "pkg.lab.tool is in a wing; the product never depends on a wing" in str(found[0])
+    assert "pkg/services/s.py:2" in str(found[0])
+    # the layers alone would not catch it where the wing shares the importer's layer
+    assert upward_imports(scan([tmp_path / "pkg"]), {**PLANTED_LAYERS, "pkg.lab": 2}) == []
+    assert wing_imports(scan([tmp_path / "pkg"]), {**PLANTED_LAYERS, "pkg.lab": 2}, ["pkg.lab"]) != []
+
+
 def test_forbidden_pairs_and_unplaced_modules(tmp_path: Path) -> None:
     _write(
         tmp_path / "pkg",
@@ -254,6 +305,6 @@ def test_the_real_forbidden_pairs_catch_planted_imports(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    findings = report(_real_tree(), LAYERS, FORBIDDEN)
+    findings = report(_real_tree(), LAYERS, FORBIDDEN, WINGS)
     print("\n".join(findings) or "no layer violations, no cycles")
     sys.exit(1 if findings else 0)

@@ -35,8 +35,7 @@ ADAPTERS: dict[str, str] = {
     "rollpacker.deploy": "Kubernetes manifests (kubectl, kustomize)",
     "rollpacker.cli": "typer",
     # the lab: benchmarks and what-if tools over every library above, outside the step path
-    "rollpacker.bench": "the lab's benchmarks (vLLM, torch, Ray, KFP)",
-    "rollpacker.profiling": "the lab's profiler driver (py-spy, psutil)",
+    "rollpacker.lab": "the lab: benchmarks, what-if, the profiler, soak and chaos drivers (vLLM, torch, Ray, KFP)",
 }
 
 # Reasons shared by several modules.

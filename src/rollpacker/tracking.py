@@ -603,7 +603,7 @@ class CompareReport:
         return "\n".join(out) + "\n"
 
 
-# the printed tables' width, as the benchmarks' (rollpacker.bench.tables.MAX_COLUMNS)
+# the printed tables' width, as the benchmarks' (rollpacker.lab.bench.tables.MAX_COLUMNS)
 TABLE_COLUMNS = 120
 
 _COMPARE_LEGEND = (

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpacker.bench.replay import replay_sampling
 from rollpacker.core.config import PartialConfig, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import PolicyError
 from rollpacker.core.metrics import policy_lag
@@ -23,6 +22,7 @@ from rollpacker.core.policies.sorted import SortedPolicy
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import FinishReason
 from rollpacker.engines.fake import FakeEngine
+from rollpacker.lab.bench.replay import replay_sampling
 from rollpacker.rollout.driver import run_round
 from tests.conftest import make_prompts
 

@@ -14,7 +14,6 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from rollpacker.bench.replay import replay_sampling
 from rollpacker.core.accounting import PromptAccount, StepPrompts, account_prompts
 from rollpacker.core.advantages import has_signal
 from rollpacker.core.config import DynamicSamplingConfig, ExperimentConfig, RolloutConfig
@@ -23,6 +22,7 @@ from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Group, RoundKind
 from rollpacker.engines.fake import FakeEngine
+from rollpacker.lab.bench.replay import replay_sampling
 from rollpacker.rollout.driver import run_round
 from tests.conftest import make_prompts
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollpacker.bench.replay import replay_sampling
 from rollpacker.core.accounting import StepPrompts, account_prompts
 from rollpacker.core.config import RolloutConfig
 from rollpacker.core.policies.sync import SyncPolicy
@@ -13,6 +12,7 @@ from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import FinishReason, RoundKind
 from rollpacker.engines.fake import FakeEngine
+from rollpacker.lab.bench.replay import replay_sampling
 from rollpacker.rollout.driver import run_round
 from tests.conftest import make_prompts
 

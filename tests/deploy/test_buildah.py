@@ -243,7 +243,7 @@ def _check_filesystem(buildah: list[str], tag: str, exe: str) -> None:
         assert path.exists() or path.is_symlink(), path
         if exe != "python3":
             assert path.read_text().startswith("#!/opt/venv/bin/python"), path
-        assert list((mnt / "opt" / "venv" / "lib").glob("python3.*/site-packages/rollpacker/cli.py"))
+        assert list((mnt / "opt" / "venv" / "lib").glob("python3.*/site-packages/rollpacker/cli/__init__.py"))
     finally:
         _run([*buildah, "umount", ctr], timeout=60)
         _run([*buildah, "rm", ctr], timeout=60)

@@ -134,7 +134,7 @@ def test_profile_and_trajectory_on_real_engines(pool) -> None:
     steps = record_trajectory(pool[A], _reqs("traj", 16, 1.0))
     assert len(steps) > 20 and all(s.seconds > 0 for s in steps)
     err = trajectory_error(Predictor(table), A, steps)
-    # the target (<= 10 %) is measured by `rollpacker profile` on a quiet machine; here only
+    # the target (<= 10 %) is measured by `rollpacker lab profile` on a quiet machine; here only
     # that the prediction is in the right range, not off by a factor
     assert err.total_error < 0.6, err
 

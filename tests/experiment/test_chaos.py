@@ -1,4 +1,4 @@
-"""The chaos suite, short (``rollpacker.bench.chaos``; ``make chaos`` runs the long one): a few
+"""The chaos suite, short (``rollpacker.lab.bench.chaos``; ``make chaos`` runs the long one): a few
 steps of a tail-batching arm through kfp.local on its own real SeaweedFS, MLflow and Ray, the
 rollout on an engine layout of one CPU device (its vLLM engine core a process of its own), with a
 fault of a different kind at each of five seeded steps (a stage process SIGKILLed, the engine core
@@ -22,7 +22,7 @@ STEPS, FAULTS = 7, 5
 
 
 def test_faults_of_every_kind_are_recovered_within_the_run_and_nothing_is_lost(tmp_path: Path) -> None:
-    from rollpacker.bench.chaos import render, run_chaos
+    from rollpacker.lab.bench.chaos import render, run_chaos
 
     lines: list[str] = []
     report = run_chaos(

@@ -65,7 +65,7 @@ def test_a_prompt_is_trained_once_per_epoch_the_cursor_began(tmp_path) -> None:
 
 
 def test_learning_arms_are_checked_by_name() -> None:
-    from rollpacker.bench.learning import ARMS, learning_arms
+    from rollpacker.lab.bench.learning import ARMS, learning_arms
 
     assert learning_arms("sync, one_off") == ["sync", "one_off"]
     assert set(ARMS) == {

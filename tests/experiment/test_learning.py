@@ -1,4 +1,4 @@
-"""The short learning check of `make test` (the full one is `rollpacker bench learning`).
+"""The short learning check of `make test` (the full one is `rollpacker lab bench learning`).
 
 Tail batching RL-trains the warmed-up tiny model through the one step path on a small prompt set it
 cycles through, and the pass rate on those prompts (mean of 4 sampled responses each,
@@ -6,7 +6,7 @@ cycles through, and the pass rate on those prompts (mean of 4 sampled responses 
 (speculation, aborts, the long-prompt queue) and long rounds, which launch the queued prompts with
 no speculation and wait for every response, as a synchronous round does; the trainer, the
 advantages and the weight sync are the ones every policy shares. So one run covers what a second,
-synchronous run would (it cost 98 s of a 30-minute suite); `rollpacker bench learning` compares
+synchronous run would (it cost 98 s of a 30-minute suite); `rollpacker lab bench learning` compares
 the policies' learning, 3 seeds each (docs/training.md). A small,
 revisited prompt set is what makes this robust in a few minutes: the held-out gain the benchmark
 measures needs far more steps than a test can afford (docs/training.md has its figures). This

@@ -1,4 +1,4 @@
-"""The sandbox under load (``rollpacker.bench.sandbox_load``): concurrent runs with every attack of
+"""The sandbox under load (``rollpacker.lab.bench.sandbox_load``): concurrent runs with every attack of
 the hostile suite among them, no escape, nothing left running; and a jail weakened on purpose (host
 network, the host's environment, no PID namespace) is caught by the same checks."""
 
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from rollpacker.bench import sandbox_load
-from rollpacker.bench.sandbox_load import CANARY_ENV, HOSTILE, render, run_sandbox_load
+from rollpacker.lab.bench import sandbox_load
+from rollpacker.lab.bench.sandbox_load import CANARY_ENV, HOSTILE, render, run_sandbox_load
 from rollpacker.rewards.sandbox import Sandbox, SandboxLimits, SandboxResult, SandboxStatus
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from rollpacker.bench.gpu.samples import make_samples
 from rollpacker.core.advantages import TrainSample
+from rollpacker.lab.bench.gpu.samples import make_samples
 from tests.small_model import build_small_model
 
 

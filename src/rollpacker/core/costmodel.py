@@ -4,10 +4,10 @@ A ``StepCost`` prices what one engine replica does in one iteration: a decode st
 requests holding ``tokens`` context tokens in all, and the prefill of newly admitted contexts. Two
 implementations:
 
-- ``ProfileCost``: the measured profile of ``rollpacker profile`` through the planner's latency
+- ``ProfileCost``: the measured profile of ``rollpacker lab profile`` through the planner's latency
   predictor (``core.latency``): what the machine the profile was taken on does;
 - ``RooflineCost``: a roofline of a named accelerator and model (spec files in
-  ``rollpacker/bench/whatif/specs/``, every number cited):
+  ``rollpacker/lab/bench/whatif/specs/``, every number cited):
   a decode step is bound by the bytes it reads (the weights of one TP rank plus the KV of the
   batch) at the achievable memory bandwidth, or by its FLOPs at the achievable peak, whichever is
   slower; TP adds two ring all-reduces per layer; every step pays a fixed overhead (scheduler,
@@ -23,7 +23,7 @@ Roofline, per TP rank (``tp`` ranks, ``s = min(tp, kv_heads)`` KV shards)::
                           + 2 * layers * heads * head_dim * sum(c^2)) / tp / peak_eff) + comm(sum(cs))
     kv_capacity     = (tp * memory * utilization - weight_bytes) / (kv_bytes_per_token * tp / s)
 
-Invariants (tests/whatif/test_costmodel.py):
+Invariants (tests/lab/bench/whatif/test_costmodel.py):
 - a spec with a missing, unknown or non-physical field (bandwidth <= 0, efficiency outside (0, 1],
   a declared parameter count the architecture does not add up to) is refused by name;
 - roofline decode time is monotone non-decreasing in batch and in context tokens;

@@ -123,7 +123,7 @@ class ProfileTable:
                 return lp
         have = ", ".join(lp.layout.name for lp in self.layouts) or "none"
         raise ProfileError(
-            f"the profile has no {layout.name} (it has {have}); re-run `rollpacker profile` with "
+            f"the profile has no {layout.name} (it has {have}); re-run `rollpacker lab profile` with "
             "that layout among the candidates"
         )
 
@@ -140,21 +140,21 @@ class ProfileTable:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ProfileError(f"{source}: not JSON ({e}); re-run `rollpacker profile`") from e
+            raise ProfileError(f"{source}: not JSON ({e}); re-run `rollpacker lab profile`") from e
         return cls.from_dict(d, source)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "profile") -> ProfileTable:
         def need(m: Mapping[str, Any], key: str, where: str) -> Any:
             if not isinstance(m, Mapping) or key not in m:
-                raise ProfileError(f"{source}: {where} lacks {key!r}; re-run `rollpacker profile`")
+                raise ProfileError(f"{source}: {where} lacks {key!r}; re-run `rollpacker lab profile`")
             return m[key]
 
         version = d.get("version") if isinstance(d, Mapping) else None
         if version != PROFILE_VERSION:
             raise ProfileError(
                 f"{source}: profile version {version!r}, this rollpacker reads {PROFILE_VERSION}; "
-                "re-run `rollpacker profile`"
+                "re-run `rollpacker lab profile`"
             )
         layouts = []
         for i, lp in enumerate(need(d, "layouts", "the table")):
@@ -177,7 +177,7 @@ class ProfileTable:
                     raise ProfileError(f"{source}: {pw} = {p}: batch, tokens and decode_s must be > 0")
                 points.append(pt)
             if not points:
-                raise ProfileError(f"{source}: {where} has no points; re-run `rollpacker profile`")
+                raise ProfileError(f"{source}: {where} has no points; re-run `rollpacker lab profile`")
             layouts.append(
                 LayoutProfile(
                     layout=Layout(int(need(lay, "tp", where)), int(need(lay, "dp", where))),
@@ -187,7 +187,7 @@ class ProfileTable:
                 )
             )
         if not layouts:
-            raise ProfileError(f"{source}: no layouts; re-run `rollpacker profile`")
+            raise ProfileError(f"{source}: no layouts; re-run `rollpacker lab profile`")
         bw = float(need(d, "migration_bandwidth_bps", "the table"))
         if bw <= 0:
             raise ProfileError(f"{source}: migration_bandwidth_bps = {bw}: must be > 0")

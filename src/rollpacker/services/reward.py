@@ -19,7 +19,7 @@ Invariants:
 Metrics (role ``reward``; ``judge/...`` for the judge): ``mean``, ``tail_s`` (reward time left
 after rollout ended), latencies, ``timeouts`` (responses stopped by a time limit), ``cut`` (those
 stopped by an adaptive limit below ``T_max``: a correct but slow response among them is misjudged;
-only a re-run could tell, ``rollpacker.bench.reward_tail`` does that), ``wasted``, ``samples``;
+only a re-run could tell, ``rollpacker.lab.bench.reward_tail`` does that), ``wasted``, ``samples``;
 with reference anchors ``reference_runs`` / ``reference_failed`` / ``reference_s`` (references
 timed into anchors / that failed their own tests or ran past ``T_max`` / sandbox seconds they took).
 

@@ -6,7 +6,7 @@ the messages' strict ``from_json`` and returns ``to_json``. The services run as 
 
 Each function is one KFP task, a fresh process: it joins Ray once, and leaves it explicitly before
 returning (leaving through Ray's own exit hook took 0.92 s of every task, an explicit
-``ray.shutdown()`` and exit 0.41 s: ``rollpacker bench overhead``). Nothing
+``ray.shutdown()`` and exit 0.41 s: ``rollpacker lab bench overhead``). Nothing
 here imports MLflow, torch or vLLM (docs/pipeline.md has the per-task breakdown).
 """
 

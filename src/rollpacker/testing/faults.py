@@ -28,7 +28,7 @@ hook point: ``plan``, ``rollout``, ``reward``, ``judge``, ``train``, ``commit``)
 Each spec fires once: a file named after it in the directory ``$ROLLPACKER_FAULT_MARK`` records
 that it fired (and when: its modification time), so the re-run goes through. The S3 and MLflow
 faults are carried out by a fault controller in the process that owns the local services
-(``rollpacker.bench.chaos``): the hook writes a request under ``<mark dir>/requests/`` and waits
+(``rollpacker.lab.bench.chaos``): the hook writes a request under ``<mark dir>/requests/`` and waits
 for the controller to acknowledge that the server is down. With ``$ROLLPACKER_FAULT_SERVICES`` set
 to the local services' directory, only processes of that directory's Ray session are killed
 (other Ray clusters on the machine are left alone).

@@ -1,6 +1,0 @@
-"""``python -m rollpacker.bench.gpu``: the GPU bench without the ``rollpacker`` CLI (Python 3.12)."""
-
-from rollpacker.bench.gpu.runner import main
-
-if __name__ == "__main__":
-    raise SystemExit(main())

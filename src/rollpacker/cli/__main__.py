@@ -1,0 +1,6 @@
+"""``python -m rollpacker.cli``: the ``rollpacker`` command."""
+
+from rollpacker.cli import main
+
+if __name__ == "__main__":
+    main()
