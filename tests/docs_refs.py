@@ -235,6 +235,7 @@ class Command:
 
     options: frozenset[str]
     sub: dict[str, Command]
+    hidden: bool = False  # an older spelling that still runs, not listed in --help
 
 
 def cli_tree() -> Command:
@@ -247,8 +248,11 @@ def cli_tree() -> Command:
 
     def walk(cmd: typing.Any) -> Command:  # a click command (typer vendors its own click)
         opts = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")}
-        subs = getattr(cmd, "commands", {})
-        return Command(frozenset(opts | {"--help"}), {n: walk(c) for n, c in subs.items()})
+        subs: dict[str, Command] = {}
+        if hasattr(cmd, "list_commands"):  # a group: its commands as the CLI lists them (the lab's
+            ctx = typer.Context(cmd)  # group is mounted by name, not held in ``commands``)
+            subs = {n: walk(cmd.get_command(ctx, n)) for n in cmd.list_commands(ctx)}
+        return Command(frozenset(opts | {"--help"}), subs, bool(getattr(cmd, "hidden", False)))
 
     return walk(root)
 
@@ -261,6 +265,8 @@ def check_command(text: str, tree: Command) -> str | None:
         words = text.split()[1:]
     cmd, path = tree, ["rollpacker"]
     for i, w in enumerate(words):
+        if w in ("...", "…"):
+            break  # "rollpacker lab ...": any command of that group
         if w.startswith("-"):
             opt = w.split("=")[0]
             if opt not in cmd.options and not cmd.sub:

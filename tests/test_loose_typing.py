@@ -35,7 +35,7 @@ ADAPTERS: dict[str, str] = {
     "rollpacker.deploy": "Kubernetes manifests (kubectl, kustomize)",
     "rollpacker.cli": "typer",
     # the lab: benchmarks and what-if tools over every library above, outside the step path
-    "rollpacker.lab": "the lab: benchmarks, what-if, the profiler, soak and chaos drivers (vLLM, torch, Ray, KFP)",
+    "rollpacker.lab": "the lab: benchmarks, what-if, profiler, soak and chaos drivers (vLLM, torch, Ray)",
 }
 
 # Reasons shared by several modules.
