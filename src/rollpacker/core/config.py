@@ -416,8 +416,8 @@ class TrainerConfig:
     # how new weights reach the rollout engine after each update (docs/megatron.md, "Weights pushed
     # by collectives"): object_store (one Ray call through the object store: works wherever Ray
     # does) | collective (a broadcast over a process group with the engine's workers, NCCL on
-    # GPUs, gloo on CPU: bucketed, checked by digest, no object store; the torch backend, or the
-    # megatron gang with pp 1)
+    # GPUs, gloo on CPU: bucketed, checked by digest, no object store; the megatron gang sends
+    # from one rank per pipeline stage; engines in layouts all receive it)
     weight_sync: str = "object_store"
 
     def __post_init__(self) -> None:
@@ -426,11 +426,6 @@ class TrainerConfig:
         if self.weight_sync not in WEIGHT_SYNC_PATHS:
             raise ConfigError(
                 f"train.weight_sync = {self.weight_sync!r}: use one of {', '.join(WEIGHT_SYNC_PATHS)}"
-            )
-        if self.weight_sync == "collective" and self.backend == "megatron" and self.megatron.pp > 1:
-            raise ConfigError(
-                f"train.weight_sync: collective with train.megatron.pp = {self.megatron.pp}: each stage "
-                "would send its own layers, which is not built yet; use pp: 1 or weight_sync: object_store"
             )
         check_device_setting("train.device", self.device)
         if self.dtype not in TRAIN_DTYPES:
