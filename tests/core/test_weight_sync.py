@@ -48,10 +48,19 @@ def test_train_weight_sync_names_the_paths_and_takes_a_pipelined_gang() -> None:
     assert cfg.megatron.pp == 2
 
 
-def test_the_collective_push_is_refused_for_engines_in_layouts() -> None:
+def test_the_collective_push_is_taken_with_engines_in_layouts_and_by_the_cluster_config() -> None:
+    from pathlib import Path
+
+    import rollpacker
     from rollpacker.core.config import config_from_text
 
     text = "experiment: t\ntrain: {weight_sync: collective}\n"
     assert config_from_text(text).train.weight_sync == "collective"
-    with pytest.raises(ConfigError, match=r"planner.devices = 2.*weight_sync: object_store"):
-        config_from_text(text + "planner: {devices: 2, max_tp: 2}\n")
+    cfg = config_from_text(text + "planner: {devices: 2, max_tp: 2}\n")
+    assert cfg.planner.devices == 2 and cfg.train.weight_sync == "collective"
+    # the shipped cluster config pushes by collective to its layouts (planner.devices 8), pipelined too
+    cluster = (Path(rollpacker.__file__).parent / "configs" / "cluster.yaml").read_text()
+    pipelined = cluster.replace("    tp: 2\n    pp: 1\n", "    tp: 1\n    pp: 2\n")
+    for doc, pp in ((cluster, 1), (pipelined, 2)):
+        got = config_from_text(doc)
+        assert (got.train.weight_sync, got.planner.devices, got.train.megatron.pp) == ("collective", 8, pp)

@@ -989,12 +989,6 @@ class ExperimentConfig:
                 f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
                 f"train.stream: true (it is {str(self.train.stream).lower()})"
             )
-        if self.train.weight_sync == "collective" and self.planner.devices:
-            raise ConfigError(
-                f"train.weight_sync: collective with planner.devices = {self.planner.devices}: the "
-                "collective push reaches one engine, not engines in layouts (a layout started later "
-                "would miss the pushed weights); use weight_sync: object_store, or planner.devices: 0"
-            )
         j = self.reward.judge
         check_judge(  # the toy judge on a config that declares GPUs; a judge model outside the store
             model=j.model,

@@ -51,6 +51,7 @@ import datetime
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rollpacker.core.errors import EngineError
@@ -257,6 +258,38 @@ def _stream(pg: Any, device: Any) -> Iterator[tuple[list[Any], BucketHeader | No
         yield got, header, nh
 
 
+def keeping(load: Callable[[list[tuple[str, Any]]], Any], directory: str) -> Callable[[list[Any]], Any]:
+    """``load``, with each bucket also written to ``directory`` (one safetensors file per bucket,
+    on the host; the files of an earlier push are removed first): the copy a layout started later
+    loads (``read_kept``; ``engines/layout_push.py``)."""
+    from safetensors.torch import save_file
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob("bucket-*.safetensors"):
+        old.unlink()
+    count = [0]
+
+    def load_and_keep(bucket: list[tuple[str, Any]]) -> Any:
+        tmp = root / f"bucket-{count[0]:05d}.tmp"
+        save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket}, str(tmp))
+        tmp.replace(root / f"bucket-{count[0]:05d}.safetensors")
+        count[0] += 1
+        return load(bucket)
+
+    return load_and_keep
+
+
+def read_kept(directory: str) -> list[tuple[str, Any]]:
+    """The tensors ``keeping`` wrote, in the order they were pushed."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("bucket-*.safetensors"))
+    if not files:
+        raise EngineError(f"no pushed weights kept in {directory}")
+    return [x for f in files for x in load_file(str(f)).items()]
+
+
 def loads_in_place(device_type: str, quantization: str | None) -> bool:
     """Whether a worker loads each bucket straight into its parameters (``model.load_weights``:
     one copy) rather than through vLLM's layerwise reload. On CUDA an unquantized model keeps its
@@ -298,6 +331,7 @@ def vllm_engine_class() -> type:
     @vdataclass
     class UpdateInfo(WeightTransferUpdateInfo):
         policy_version: int
+        keep_dir: str = ""  # the engine's first worker also writes the push there (``keeping``)
 
     class CollectiveWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         init_info_cls = InitInfo
@@ -326,7 +360,10 @@ def vllm_engine_class() -> type:
             if self.pg is None:
                 raise EngineError("weight push before init_weight_transfer_engine")
             model: Any = self.model
-            self.report = receive(self.pg, self.device, model.load_weights)
+            load = model.load_weights
+            if update_info.keep_dir and int(self.parallel_config.rank) == 0:
+                load = keeping(load, update_info.keep_dir)
+            self.report = receive(self.pg, self.device, load)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
