@@ -11,11 +11,12 @@ A layout started after a push must serve the same weights. On CPU every candidat
 started (``resident_layouts``), so every one receives every push. Where only some fit at once
 (GPUs at ``engine.gpu_memory_utilization`` 0.9: one), the first engine's first worker also writes
 each bucket it receives to a directory of the rollout service's node (``weight_transfer.keeping``:
-one safetensors file per bucket), and the pool loads that copy into a layout it starts later
-(``EnginePool.remember``), as it does with the object-store path's tensors. That host copy is the
-price of starting layouts on demand: one full copy per push (device to host on GPUs), written by a
-process that already holds the bucket, so the group needs no extra rank (NCCL allows one rank
-per GPU, and every GPU of the rollout group runs an engine).
+one safetensors file per bucket; the rollout service puts it in ``/dev/shm``), and the pool loads
+that copy into a layout it starts later (``EnginePool.remember``), as it does with the
+object-store path's tensors. That host copy is the price of starting layouts on demand: one full
+copy per push (device to host on GPUs), written by a process that already holds the bucket, so
+the group needs no extra rank (NCCL allows one rank per GPU, and every GPU of the rollout group
+runs an engine).
 
 A layout that started since the group was opened is not in it: the ``key`` (the receiving engines)
 changes, the rollout service reports the group as not joined, and the trainer opens a new group

@@ -346,7 +346,7 @@ class RolloutService(Service, RolloutAPI):
                 "service has none; the trainer pushes through the object store instead"
             )
         if not self._keep_dir and isinstance(self.engine, SwitchingEngine):  # for layouts started later
-            self._keep_dir = tempfile.mkdtemp(prefix="rollpacker-pushed-")
+            self._keep_dir = tempfile.mkdtemp(prefix="rollpacker-pushed-", dir=_shared_memory_dir())
         try:
             return PushTargets(self.engine, self._keep_dir)
         except EngineError as e:
@@ -706,6 +706,16 @@ class RolloutService(Service, RolloutAPI):
         if self._keep_dir:
             shutil.rmtree(self._keep_dir, ignore_errors=True)
             self._keep_dir = ""
+
+
+def _shared_memory_dir() -> str | None:
+    """``/dev/shm`` where this node has it (memory: where the object-store path's push would have
+    gone through Ray's object store; the pod's ``/tmp`` is sized for checkpoints), else None (the
+    temp directory)."""
+    import os
+
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 class _RewardCalls:
