@@ -219,3 +219,28 @@ def test_a_layout_started_on_demand_serves_the_collective_push_on_vllm(tmp_path:
         assert on_a == pytest.approx([uniform] * 8, abs=1e-4) and on_b == pytest.approx(on_a, abs=1e-4)
     finally:
         pool.close()
+
+
+def test_a_copy_that_cannot_be_written_is_dropped_and_the_push_still_loads(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    from safetensors import torch as st
+
+    loaded: list[str] = []
+    calls = {"n": 0}
+    real = st.save_file
+
+    def save_file(tensors: Any, path: str, **kw: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        real(tensors, path, **kw)
+
+    monkeypatch.setattr(st, "save_file", save_file)
+    load = wt.keeping(lambda b: loaded.extend(n for n, _ in b), str(tmp_path))
+    for i in range(3):
+        load([(f"w{i}", torch.ones(4))])
+    assert loaded == ["w0", "w1", "w2"]  # every bucket loaded
+    assert calls["n"] == 2 and not list(tmp_path.iterdir())  # the partial copy is gone
+    with pytest.raises(EngineError, match="no pushed weights kept in"):
+        wt.read_kept(str(tmp_path))

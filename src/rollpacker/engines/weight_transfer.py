@@ -48,6 +48,7 @@ Invariants (tests/engines/test_weight_transfer.py):
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from rollpacker.core.errors import EngineError
 from rollpacker.core.serde import Message
 from rollpacker.core.weight_sync import BucketHeader, TensorSpec, TransferGroup
 
+log = logging.getLogger(__name__)
 BACKEND = "rollpacker"  # the name registered in vLLM's WeightTransferEngineFactory
 EXTENSION = "rollpacker.engines.vllm_transfer_ext.PushReportExtension"  # the worker_extension_cls
 _PRIME = (1 << 61) - 1
@@ -261,20 +263,32 @@ def _stream(pg: Any, device: Any) -> Iterator[tuple[list[Any], BucketHeader | No
 def keeping(load: Callable[[list[tuple[str, Any]]], Any], directory: str) -> Callable[[list[Any]], Any]:
     """``load``, with each bucket also written to ``directory`` (one safetensors file per bucket,
     on the host; the files of an earlier push are removed first): the copy a layout started later
-    loads (``read_kept``; ``engines/layout_push.py``)."""
+    loads (``read_kept``; ``engines/layout_push.py``). A bucket that cannot be written (a full
+    disk) removes the copy and stops keeping, but never stops the push: the engine still loads
+    every bucket, and a layout started later fails naming the missing copy."""
     from safetensors.torch import save_file
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob("bucket-*.safetensors"):
-        old.unlink()
-    count = [0]
+
+    def drop() -> None:
+        for old in (*root.glob("bucket-*.safetensors"), *root.glob("bucket-*.tmp")):
+            old.unlink(missing_ok=True)
+
+    drop()
+    count = [0]  # buckets written; -1 once keeping failed
 
     def load_and_keep(bucket: list[tuple[str, Any]]) -> Any:
-        tmp = root / f"bucket-{count[0]:05d}.tmp"
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket}, str(tmp))
-        tmp.replace(root / f"bucket-{count[0]:05d}.safetensors")
-        count[0] += 1
+        if count[0] >= 0:
+            tmp = root / f"bucket-{count[0]:05d}.tmp"
+            try:
+                save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket}, str(tmp))
+                tmp.replace(root / f"bucket-{count[0]:05d}.safetensors")
+                count[0] += 1
+            except OSError as e:
+                log.warning("keeping the pushed weights in %s failed (%s): the copy is dropped", root, e)
+                drop()
+                count[0] = -1
         return load(bucket)
 
     return load_and_keep
