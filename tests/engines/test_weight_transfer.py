@@ -79,6 +79,54 @@ def test_a_corrupted_bucket_is_refused_by_index_and_nothing_after_it_loads(monke
         wt.check_report(recv, "push")
 
 
+def test_each_stage_sends_its_own_tensors_and_every_worker_receives_all_of_them() -> None:
+    """Two senders (pipeline stages) side by side, three engine workers (two engines: offsets 2 and
+    4): every worker loads both stages' tensors, stage 0's first, bit for bit."""
+    named = _weights()
+    stages = [named[:4], named[4:]]
+    group = TransferGroup("127.0.0.1", wt.free_port("127.0.0.1"), 5, 2, "gloo", 60.0, senders=2)
+    loaded: dict[int, list[str]] = {r: [] for r in (2, 3, 4)}
+    reports: dict[int, wt.PushReport] = {}
+    sent: dict[int, wt.PushReport] = {}
+
+    def worker(rank: int) -> None:
+        def load(bucket: list[tuple[str, torch.Tensor]]) -> None:
+            assert all(torch.equal(t, dict(named)[n]) for n, t in bucket)
+            loaded[rank].extend(n for n, _ in bucket)
+
+        pgs = wt.open_group(group.with_offset(4 if rank == 4 else 2), rank)
+        assert len(pgs) == 2  # a member of each stage's group
+        reports[rank] = wt.receive(pgs, torch.device("cpu"), load)
+
+    def sender(stage: int) -> None:
+        sent[stage] = wt.send(wt.open_group(group, stage), stages[stage], 4096, torch.device("cpu"))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (2, 3, 4)]
+    threads += [threading.Thread(target=sender, args=(s,)) for s in (1, 0)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert all(loaded[r] == [n for n, _ in named] for r in loaded)
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    assert sent[0].payload_bytes + sent[1].payload_bytes == total
+    assert all(r.payload_bytes == total and not r.error for r in reports.values())
+    assert all(r.buckets == sent[0].buckets + sent[1].buckets for r in reports.values())
+
+
+def test_a_senders_group_holds_it_and_every_worker_once() -> None:
+    g = TransferGroup("127.0.0.1", 29500, 6, 2, "gloo", senders=2)
+    assert g.workers == 4
+    assert [g.sender_group(1, r)[1] for r in (1, 2, 3, 4, 5)] == [0, 1, 2, 3, 4]
+    assert g.sender_group(0, 0) == ("rollpacker-weights/0", 0, 5)
+    from rollpacker.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sender 1 is no member of sender 0"):
+        g.sender_group(0, 1)
+    with pytest.raises(ConfigError, match="rank_offset 1 must leave"):
+        TransferGroup("127.0.0.1", 29500, 6, 1, "gloo", senders=2)
+
+
 def test_a_worker_loads_in_place_only_where_vllm_keeps_the_checkpoint_layout() -> None:
     assert wt.loads_in_place("cuda", None)  # the receive buffer and one copy: 2 full copies
     assert not wt.loads_in_place("cpu", None)  # vLLM on CPU repacks its GEMM weights

@@ -94,3 +94,61 @@ def test_the_update_is_pushed_by_collective_once_a_group_is_up_and_by_the_store_
         assert peers.engine.by_store == [r.policy_version] and r.metrics["sync/collective"] == 0.0
     finally:
         svc.close()
+
+
+class _Stages:
+    """A pipelined gang's side of the group (the outer edge): one sender per stage."""
+
+    def __init__(self, pp: int) -> None:
+        self.weight_senders = pp
+        self.address = ("127.0.0.1", wt.free_port("127.0.0.1"))
+        self.pgs: list[Any] = []
+
+    def weight_sender_address(self) -> tuple[str, int]:
+        return self.address
+
+    def open_weight_group(self, group: TransferGroup) -> None:
+        import threading
+
+        self.pgs = [None] * group.senders
+        threads = [
+            threading.Thread(target=lambda s=s: self.pgs.__setitem__(s, wt.open_group(group, s)))
+            for s in range(group.senders)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+
+
+def test_a_pipelined_gang_opens_the_group_with_one_sender_per_stage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollpacker.services.trainer import TrainerService
+
+    text = (
+        f'experiment: t\nstore: {{endpoint: "file://{tmp_path}"}}\n'
+        "train: {backend: megatron, weight_sync: collective, megatron: {pp: 2}}\n"
+    )
+    svc = TrainerService(text, "sync")
+    peers = _Peers()
+    got: list[TransferGroup] = []
+
+    def join(group: TransferGroup) -> None:  # an engine of three workers at ranks 2..4
+        got.append(group)
+        import threading
+
+        threads = [threading.Thread(target=wt.open_group, args=(group, 2 + w)) for w in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+
+    monkeypatch.setattr(peers.engine, "init_weight_transfer", join)
+    svc.bind(peers)  # type: ignore[arg-type]
+    svc.trainer = _Stages(2)
+    pg, port = svc._open_transfer(3)
+    assert pg is None and port == svc.trainer.address[1]  # the handles stay with the gang's senders
+    (group,) = got
+    assert (group.senders, group.rank_offset, group.world_size, group.backend) == (2, 2, 5, "gloo")
+    assert all(p is not None for p in svc.trainer.pgs)

@@ -423,8 +423,8 @@ class TrainerConfig:
     # how new weights reach the rollout engine after each update (docs/megatron.md, "Weights pushed
     # by collectives"): object_store (one Ray call through the object store: works wherever Ray
     # does) | collective (a broadcast over a process group with the engine's workers, NCCL on
-    # GPUs, gloo on CPU: bucketed, checked by digest, no object store; the torch backend, or the
-    # megatron gang with pp 1)
+    # GPUs, gloo on CPU: bucketed, checked by digest, no object store; the megatron gang sends
+    # from one rank per pipeline stage; engines in layouts all receive it)
     weight_sync: str = "object_store"
 
     def __post_init__(self) -> None:
@@ -433,11 +433,6 @@ class TrainerConfig:
         if self.weight_sync not in WEIGHT_SYNC_PATHS:
             raise ConfigError(
                 f"train.weight_sync = {self.weight_sync!r}: use one of {', '.join(WEIGHT_SYNC_PATHS)}"
-            )
-        if self.weight_sync == "collective" and self.backend == "megatron" and self.megatron.pp > 1:
-            raise ConfigError(
-                f"train.weight_sync: collective with train.megatron.pp = {self.megatron.pp}: each stage "
-                "would send its own layers, which is not built yet; use pp: 1 or weight_sync: object_store"
             )
         check_device_setting("train.device", self.device)
         if self.dtype not in TRAIN_DTYPES:
@@ -1035,12 +1030,6 @@ class ExperimentConfig:
                 "rollout.scale_down.enabled needs engine replicas to free and a stream trainer to give "
                 f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
                 f"train.stream: true (it is {str(self.train.stream).lower()})"
-            )
-        if self.train.weight_sync == "collective" and self.planner.devices:
-            raise ConfigError(
-                f"train.weight_sync: collective with planner.devices = {self.planner.devices}: the "
-                "collective push reaches one engine, not engines in layouts (a layout started later "
-                "would miss the pushed weights); use weight_sync: object_store, or planner.devices: 0"
             )
         j = self.reward.judge
         check_judge(  # the toy judge on a config that declares GPUs; a judge model outside the store

@@ -365,15 +365,21 @@ class EnginePool:
         layouts: Sequence[Layout],
         devices: Sequence[str] | None = None,
         on_start: Callable[[Layout, float], None] | None = None,
+        resident: int | None = None,
     ) -> None:
+        """``resident``: how many layouts stay started at once (default: ``resident_layouts``)."""
         self.cfg = cfg
         self.device = engine_device(cfg.device)
         self.devices = list(devices) if devices is not None else node_devices(cfg.device)
         self.candidates = tuple(layouts)
-        self.resident = resident_layouts(self.device, cfg.gpu_memory_utilization, len(self.candidates))
+        fit = resident_layouts(self.device, cfg.gpu_memory_utilization, len(self.candidates))
+        if resident is not None and not 0 < resident <= fit:
+            raise EngineError(f"{resident} resident layouts: between 1 and the {fit} that fit")
+        self.resident = fit if resident is None else resident
         self.on_start = on_start
         self.engines: dict[Layout, LayoutEngine] = {}  # started ones, least recently used first
         self._weights: list[tuple[str, Any]] | None = None  # the last pushed, for later starts
+        self._kept: Callable[[], list[tuple[str, Any]]] | None = None  # or where a collective push kept them
         self._closed_preemptions = 0
         self._warm = False  # warm() was called: layouts started later are warmed too
         try:
@@ -395,6 +401,7 @@ class EnginePool:
         pool.on_start = None
         pool.engines = dict(engines)
         pool._weights = None
+        pool._kept = None
         pool._closed_preemptions = 0
         pool._warm = False
         return pool
@@ -408,6 +415,8 @@ class EnginePool:
         self.engines[lay] = eng
         if self._weights is not None:
             eng.load_weights(iter(self._weights))
+        elif self._kept is not None:
+            eng.load_weights(iter(self._kept()))
         if self._warm:
             _warm_up(lay, eng)
         if self.on_start is not None:
@@ -483,7 +492,13 @@ class EnginePool:
         for eng in self.engines.values():
             eng.load_weights(iter(weights))
         if self.resident < len(self.candidates):  # a layout started later serves them too
-            self._weights = weights
+            self._weights, self._kept = weights, None
+
+    def remember(self, read: Callable[[], list[tuple[str, Any]]]) -> None:
+        """What a layout started later loads, read when it starts: a collective push's copy, kept
+        on this node by an engine's worker (``engines/layout_push.py``)."""
+        self._weights = None
+        self._kept = read
 
     def forget_cached(self) -> None:
         for eng in self.engines.values():

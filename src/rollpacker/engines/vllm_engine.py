@@ -567,13 +567,15 @@ class VLLMEngine:
             kwargs={"init_info": {"group": group.to_json()}},
         )
 
-    def receive_weights(self, policy_version: int) -> list[PushReport]:
+    def receive_weights(self, policy_version: int, keep_dir: str = "") -> list[PushReport]:
         """Receive one collective push on every worker, bucket by bucket, while the trainer sends
         it; one report per worker. Call it between rounds (no request in flight). A bucket whose
-        digest disagrees fails the call, naming it (``EngineError``)."""
+        digest disagrees fails the call, naming it (``EngineError``). With ``keep_dir`` the first
+        worker also writes the pushed tensors there (``weight_transfer.keeping``)."""
         rpc = self._engine.collective_rpc
         self._core(rpc, "start_weight_update")
-        self._core(rpc, "update_weights", kwargs={"update_info": {"policy_version": int(policy_version)}})
+        info = {"policy_version": int(policy_version), "keep_dir": keep_dir}
+        self._core(rpc, "update_weights", kwargs={"update_info": info})
         self._core(rpc, "finish_weight_update")
         texts = self._core(rpc, "rollpacker_push_report")
         self._core(self._engine.reset_prefix_cache)  # cached KV was computed with the old weights

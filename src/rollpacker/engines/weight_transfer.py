@@ -11,10 +11,15 @@ registers one more, ``rollpacker``, in every worker process (``vllm_transfer_ext
 in the trainer process (its rendezvous is vLLM's ``StatelessProcessGroup`` and ``PyNccl``), runs on
 CUDA only, and checks nothing on arrival. Ours is plain ``torch.distributed`` on both sides:
 
-- the group: rank 0 (the sender, a trainer process) hosts a ``TCPStore``; the engine's workers
-  join as ranks ``rank_offset + worker rank`` (``core.weight_sync.TransferGroup``); the group is
-  ``ProcessGroupNCCL`` for CUDA tensors and ``ProcessGroupGloo`` for CPU ones, outside any default
-  process group (a megatron rank keeps its own world);
+- the group: rank 0 (the first sender, a trainer process) hosts a ``TCPStore``; there is one
+  sender per pipeline stage of the trainer (ranks ``0 .. senders - 1``, each sending its own
+  stage's tensors), and every engine that serves (each replica of each started layout, for
+  engines in layouts) joins with its workers as ranks ``rank_offset + worker rank``
+  (``core.weight_sync.TransferGroup``). Each sender broadcasts over a process group of its own
+  with every worker (``TransferGroup.sender_group``), so stages send side by side; a worker
+  receives the stages' streams one after another. The groups are ``ProcessGroupNCCL`` for CUDA
+  tensors and ``ProcessGroupGloo`` for CPU ones, outside any default process group (a megatron
+  rank keeps its own world);
 - a push is a stream of buckets of at most ``bucket_bytes``: each bucket's ``BucketHeader`` (names,
   dtypes, shapes, digest) is broadcast, then each tensor, straight from the trainer's parameter
   (no packing copy); the worker allocates the bucket, receives it, recomputes the digest and loads
@@ -35,7 +40,7 @@ so the sender and a worker on another GPU agree bit for bit; it moves two scalar
 tensor, never the tensor.
 
 Invariants (tests/engines/test_weight_transfer.py):
-- a push loads exactly the sent tensors, bit for bit, bucket by bucket;
+- a push loads exactly the sent tensors, bit for bit, bucket by bucket, from every stage's sender;
 - a corrupted bucket is refused by index and nothing after it is loaded; the stream stays aligned;
 - the sender makes no copy of a contiguous tensor; a worker allocates one bucket at a time.
 """
@@ -43,15 +48,18 @@ Invariants (tests/engines/test_weight_transfer.py):
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rollpacker.core.errors import EngineError
 from rollpacker.core.serde import Message
 from rollpacker.core.weight_sync import BucketHeader, TensorSpec, TransferGroup
 
+log = logging.getLogger(__name__)
 BACKEND = "rollpacker"  # the name registered in vLLM's WeightTransferEngineFactory
 EXTENSION = "rollpacker.engines.vllm_transfer_ext.PushReportExtension"  # the worker_extension_cls
 _PRIME = (1 << 61) - 1
@@ -81,7 +89,9 @@ def free_port(address: str) -> int:
 
 
 def open_group(group: TransferGroup, rank: int) -> Any:
-    """This process's member of ``group`` (rank 0 hosts the rendezvous store)."""
+    """This process's member of ``group`` (rank 0 hosts the rendezvous store): a sender's own
+    group (``send``), or for an engine worker its member of every sender's group, in stage order
+    (a tuple; ``receive``)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=group.timeout_s)
@@ -93,10 +103,17 @@ def open_group(group: TransferGroup, rank: int) -> Any:
         timeout=timeout,
         wait_for_workers=False,
     )
-    prefixed = dist.PrefixStore("rollpacker-weights", store)  # type: ignore[attr-defined]
-    if group.backend == "nccl":  # on this process's current CUDA device
-        return dist.ProcessGroupNCCL(prefixed, rank, group.world_size, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefixed, rank, group.world_size, timeout)
+
+    def member(sender: int) -> Any:
+        prefix, local, size = group.sender_group(sender, rank)
+        prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        if group.backend == "nccl":  # on this process's current CUDA device
+            return dist.ProcessGroupNCCL(prefixed, local, size, dist.ProcessGroupNCCL.Options())
+        return dist.ProcessGroupGloo(prefixed, local, size, timeout)
+
+    if rank < group.senders:
+        return member(rank)
+    return tuple(member(s) for s in range(group.senders))
 
 
 def _broadcast(pg: Any, t: Any, root: int = 0) -> None:
@@ -194,38 +211,97 @@ def send(pg: Any, named: Iterable[tuple[str, Any]], bucket_bytes: int, device: A
 
 
 def receive(pg: Any, device: Any, load: Callable[[list[tuple[str, Any]]], Any]) -> PushReport:
-    """Receive a push from rank 0: each bucket is allocated, received, checked against its digest
-    and handed to ``load`` before the next one. After a mismatch the rest is received and dropped
-    (the sender never waits on a worker that stopped listening) and the report names the bucket."""
-    import torch
-
+    """Receive a push: from rank 0 of ``pg``, or of each group of a sequence of them (one per
+    pipeline stage's sender, in stage order; what ``open_group`` gives a worker). Each bucket is
+    allocated, received, checked against its digest and handed to ``load`` before the next one.
+    After a mismatch the rest is received and dropped (no sender ever waits on a worker that
+    stopped listening) and the report names the bucket."""
     t0 = time.perf_counter()
+    groups = list(pg) if isinstance(pg, (list, tuple)) else [pg]
     n_b = n_t = payload = head = 0
     error = ""
+    for stage, group in enumerate(groups):
+        where = f"stage {stage}'s " if len(groups) > 1 else ""
+        for got, header, nh in _stream(group, device):
+            head += nh
+            if header is None:
+                continue
+            payload += header.bucket_bytes
+            n_b, n_t = n_b + 1, n_t + len(got)
+            if error:
+                continue
+            if digest(got) != header.digest:
+                error = (
+                    f"{where}bucket {header.index} ({len(got)} tensors, first {header.tensors[0].name}): "
+                    f"digest {digest(got)} != sent {header.digest}; {where}buckets 0..{header.index - 1} "
+                    "were loaded, nothing after"
+                )
+                continue
+            load([(s.name, t) for s, t in zip(header.tensors, got, strict=True)])
+            del got
+    return PushReport(n_b, n_t, payload, head, payload, time.perf_counter() - t0, error)
+
+
+def _stream(pg: Any, device: Any) -> Iterator[tuple[list[Any], BucketHeader | None, int]]:
+    """One sender's buckets as they arrive: (tensors, header, header bytes); the closing header
+    comes as (``[]``, None, its bytes)."""
+    import torch
+
     while True:
         header, nh = _recv_header(pg, device)
-        head += nh
         if header.end:
-            break
+            yield [], None, nh
+            return
         got = []
         for s in header.tensors:
             t = torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)
             _broadcast(pg, t)
             got.append(t)
-        payload += header.bucket_bytes
-        n_b, n_t = n_b + 1, n_t + len(got)
-        if error:
-            continue
-        if digest(got) != header.digest:
-            error = (
-                f"bucket {header.index} ({len(got)} tensors, first {header.tensors[0].name}): digest "
-                f"{digest(got)} != sent {header.digest}; buckets 0..{header.index - 1} were loaded, "
-                "nothing after"
-            )
-            continue
-        load([(s.name, t) for s, t in zip(header.tensors, got, strict=True)])
-        del got
-    return PushReport(n_b, n_t, payload, head, payload, time.perf_counter() - t0, error)
+        yield got, header, nh
+
+
+def keeping(load: Callable[[list[tuple[str, Any]]], Any], directory: str) -> Callable[[list[Any]], Any]:
+    """``load``, with each bucket also written to ``directory`` (one safetensors file per bucket,
+    on the host; the files of an earlier push are removed first): the copy a layout started later
+    loads (``read_kept``; ``engines/layout_push.py``). A bucket that cannot be written (a full
+    disk) removes the copy and stops keeping, but never stops the push: the engine still loads
+    every bucket, and a layout started later fails naming the missing copy."""
+    from safetensors.torch import save_file
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def drop() -> None:
+        for old in (*root.glob("bucket-*.safetensors"), *root.glob("bucket-*.tmp")):
+            old.unlink(missing_ok=True)
+
+    drop()
+    count = [0]  # buckets written; -1 once keeping failed
+
+    def load_and_keep(bucket: list[tuple[str, Any]]) -> Any:
+        if count[0] >= 0:
+            tmp = root / f"bucket-{count[0]:05d}.tmp"
+            try:
+                save_file({n: t.detach().to("cpu").contiguous() for n, t in bucket}, str(tmp))
+                tmp.replace(root / f"bucket-{count[0]:05d}.safetensors")
+                count[0] += 1
+            except OSError as e:
+                log.warning("keeping the pushed weights in %s failed (%s): the copy is dropped", root, e)
+                drop()
+                count[0] = -1
+        return load(bucket)
+
+    return load_and_keep
+
+
+def read_kept(directory: str) -> list[tuple[str, Any]]:
+    """The tensors ``keeping`` wrote, in the order they were pushed."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("bucket-*.safetensors"))
+    if not files:
+        raise EngineError(f"no pushed weights kept in {directory}")
+    return [x for f in files for x in load_file(str(f)).items()]
 
 
 def loads_in_place(device_type: str, quantization: str | None) -> bool:
@@ -269,6 +345,7 @@ def vllm_engine_class() -> type:
     @vdataclass
     class UpdateInfo(WeightTransferUpdateInfo):
         policy_version: int
+        keep_dir: str = ""  # the engine's first worker also writes the push there (``keeping``)
 
     class CollectiveWeightEngine(WeightTransferEngine[InitInfo, UpdateInfo]):
         init_info_cls = InitInfo
@@ -284,6 +361,7 @@ def vllm_engine_class() -> type:
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             group = TransferGroup.from_json(init_info.group, where="weight transfer group")
             self.pg = open_group(group, group.rank_offset + worker_rank(self.parallel_config))
+            self.report = None
 
         def start_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -296,7 +374,10 @@ def vllm_engine_class() -> type:
             if self.pg is None:
                 raise EngineError("weight push before init_weight_transfer_engine")
             model: Any = self.model
-            self.report = receive(self.pg, self.device, model.load_weights)
+            load = model.load_weights
+            if update_info.keep_dir and int(self.parallel_config.rank) == 0:
+                load = keeping(load, update_info.keep_dir)
+            self.report = receive(self.pg, self.device, load)
 
         def finish_weight_update(self) -> None:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -72,9 +72,9 @@ class WeightProbe(Message):
 
 @dataclass(frozen=True)
 class WeightPeer(Message):
-    """The rollout engine as a collective weight push sees it (``RolloutAPI.weight_peer``)."""
+    """The rollout engines as a collective weight push sees them (``RolloutAPI.weight_peer``)."""
 
-    workers: int  # the engine's workers (ranks 1..workers of the group)
+    workers: int  # every engine's workers (every replica of every started layout), after the senders
     joined: bool  # they are in the trainer's group on the port asked about
 
 
@@ -296,8 +296,9 @@ class RolloutAPI(Protocol):
         served weights (seeded, at the rollout temperature): the weight-sync probe's engine side."""
 
     def weight_peer(self, port: int) -> WeightPeer:
-        """The engine's workers and whether they joined the group on ``port``; raises when no
-        single running engine can receive a push (the trainer then uses the object store)."""
+        """The engines' workers and whether they all joined the group on ``port`` (a layout
+        started since did not); raises when no running vLLM engine can receive a push (the
+        trainer then uses the object store)."""
 
     def init_weight_transfer(self, group: TransferGroup) -> None:
         """Join the trainer's weight-transfer group; returns once the trainer has joined too."""

@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -50,7 +52,7 @@ from typing import Any
 
 from rollpacker.core.config import EngineConfig
 from rollpacker.core.drafts import history_from_json, history_steps_kept, history_to_json, worth_enabling
-from rollpacker.core.errors import RollpackerError
+from rollpacker.core.errors import EngineError, RollpackerError
 from rollpacker.core.latency import Layout, Predictor, ProfileTable, layouts_for, predict_step
 from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.entries import BufferEntry, buffer_to_json
@@ -80,6 +82,7 @@ from rollpacker.engines.layout import (
     kv_capacity_tokens,
     node_devices,
 )
+from rollpacker.engines.layout_push import PushTargets
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check
 from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import RoundRun, generate, run_round, sample_requests
@@ -126,7 +129,8 @@ class RolloutService(Service, RolloutAPI):
         self._rounds_on_weights = 0
         self._pred: Predictor | None = None
         self._pred_uri = ""
-        self._wt_joined: tuple[int, int] | None = None  # (engine, port) in a weight-transfer group
+        self._wt: tuple[PushTargets, int] | None = None  # the engines in a weight-transfer group, its port
+        self._keep_dir = ""  # the collective push's copy for layouts started later (engines/layout_push.py)
         self._probes = 0  # weight-sync probes sampled (each request id is used once per engine)
 
     # -- weights --------------------------------------------------------------------------------
@@ -346,36 +350,47 @@ class RolloutService(Service, RolloutAPI):
         )
 
     # -- the collective weight push (train.weight_sync: collective) ---------------------------------
-    def _push_engine(self, call: str) -> VLLMEngine:
+    def _push_targets(self, call: str) -> PushTargets:
+        """The engines a push reaches now (one engine, or every started layout's replicas)."""
         self._drop_if_dead(call)
-        if not isinstance(self.engine, VLLMEngine):
-            what = "no engine" if self.engine is None else "engines in layouts (planner.devices)"
+        if self.engine is None:
             raise RollpackerError(
-                f"{call}: train.weight_sync: collective needs one running vLLM engine, and this rollout "
-                f"service has {what}; the trainer pushes through the object store instead"
+                f"{call}: train.weight_sync: collective needs a running vLLM engine, and this rollout "
+                "service has none; the trainer pushes through the object store instead"
             )
-        return self.engine
+        if not self._keep_dir and isinstance(self.engine, SwitchingEngine):  # for layouts started later
+            self._keep_dir = tempfile.mkdtemp(prefix="rollpacker-pushed-", dir=_shared_memory_dir())
+        try:
+            return PushTargets(self.engine, self._keep_dir)
+        except EngineError as e:
+            raise RollpackerError(f"{call}: {e}; the trainer pushes through the object store instead") from e
 
     def weight_peer(self, port: int) -> WeightPeer:
         with self._round_lock:
-            engine = self._push_engine("weight_peer")
-            return WeightPeer(engine.tp_size, self._wt_joined == (id(engine), port))
+            targets = self._push_targets("weight_peer")
+            joined = self._wt is not None and self._wt[1] == port and self._wt[0].key == targets.key
+            return WeightPeer(targets.workers, joined)
 
     def init_weight_transfer(self, group: TransferGroup) -> None:
         with self._round_lock:
-            engine = self._push_engine("init_weight_transfer")
-            self._wt_joined = None
-            engine.init_weight_transfer(group)
-            self._wt_joined = (id(engine), group.port)
+            targets = self._push_targets("init_weight_transfer")
+            self._wt = None
+            targets.join(group)
+            self._wt = (targets, group.port)
 
     def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
         """The push, received while no round runs (the round lock): no request is ever sampled on
         half-loaded weights; a digest mismatch leaves the engine unusable until the next sync."""
         t0 = time.perf_counter()
         with self._round_lock:
-            engine = self._push_engine("receive_weights")
+            targets = self._push_targets("receive_weights")
+            if self._wt is None or self._wt[0].key != targets.key:
+                raise RollpackerError(
+                    "receive_weights: the engines changed since they joined the weight transfer group "
+                    "(a layout started or closed); the trainer opens a new group at its next push"
+                )
             try:
-                reports = engine.receive_weights(policy_version)
+                reports = self._wt[0].receive(policy_version)
             except Exception:
                 self.checkpoint_uri = ""  # a mix of old and new weights: the next sync reloads them
                 raise
@@ -715,6 +730,19 @@ class RolloutService(Service, RolloutAPI):
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self._keep_dir:
+            shutil.rmtree(self._keep_dir, ignore_errors=True)
+            self._keep_dir = ""
+
+
+def _shared_memory_dir() -> str | None:
+    """``/dev/shm`` where this node has it (memory: where the object-store path's push would have
+    gone through Ray's object store; the pod's ``/tmp`` is sized for checkpoints), else None (the
+    temp directory)."""
+    import os
+
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 class _RewardCalls:

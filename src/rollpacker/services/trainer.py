@@ -422,7 +422,7 @@ class TrainerService(Service, TrainerAPI):
                 self._wt = self._open_transfer(peer.workers)
             with ThreadPoolExecutor(max_workers=1) as ex:
                 got = ex.submit(rollout.receive_weights, self.trainer.policy_version, uri)
-                if self._wt[0] is None:  # the megatron gang: its (tp 0, dp 0) rank sends
+                if self._wt[0] is None:  # the megatron gang: each stage's (tp 0, dp 0) rank sends
                     sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
                 else:
                     named = self.trainer.weights()
@@ -442,20 +442,23 @@ class TrainerService(Service, TrainerAPI):
         return int(sent.payload_bytes)
 
     def _open_transfer(self, workers: int) -> tuple[Any, int]:
-        """A new weight-transfer group with the engine's ``workers``: this trainer is its rank 0, or
-        (the megatron gang) the gang's sending rank is, and the group's handle stays there (None)."""
+        """A new weight-transfer group with the engines' ``workers``: this trainer is its rank 0, or
+        (the megatron gang) the gang's sending ranks are, one per pipeline stage, and the group's
+        handles stay there (None)."""
         from rollpacker.core.weight_sync import TransferGroup
         from rollpacker.engines import weight_transfer as wt
 
-        gang = self.cfg.train.backend == "megatron"  # the sender is a rank of the gang, not this process
-        if gang:
+        gang = self.cfg.train.backend == "megatron"  # the senders are ranks of the gang, not this process
+        senders = 1
+        if gang:  # one sender per pipeline stage
             address, port = self.trainer.weight_sender_address()
             backend = "nccl" if self.cfg.train.megatron.gpus_per_rank > 0 else "gloo"
+            senders = int(self.trainer.weight_senders)
         else:
             address = _node_address()
             port = wt.free_port(address)
             backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
-        group = TransferGroup(address, port, workers + 1, 1, backend)
+        group = TransferGroup(address, port, workers + senders, senders, backend, senders=senders)
         with ThreadPoolExecutor(max_workers=1) as ex:
             joined = ex.submit(self.peers.rollout().init_weight_transfer, group)
             pg = self.trainer.open_weight_group(group) if gang else wt.open_group(group, 0)

@@ -1,7 +1,8 @@
-"""The megatron gang's collective weight push (``train.weight_sync: collective``): its (tp 0, dp 0)
-rank broadcasts each TP-gathered bucket straight to the engine's workers (here one worker: a thread
-of the test receiving with ``engines.weight_transfer.receive``, the outer edge), and what arrives
-is, bit for bit, what the gang's ``weights()`` hands the object-store path."""
+"""The megatron gang's collective weight push (``train.weight_sync: collective``): each pipeline
+stage's (tp 0, dp 0) rank broadcasts its stage's TP-gathered buckets straight to the engines'
+workers (here two workers: threads of the test receiving with ``engines.weight_transfer.receive``,
+the outer edge), and what every worker gets is, bit for bit, what the gang's ``weights()`` hands
+the object-store path."""
 
 from __future__ import annotations
 
@@ -32,49 +33,65 @@ def ray_local() -> Iterator[None]:
         ray.shutdown()
 
 
-def test_a_tp2_gang_pushes_its_gathered_weights_bucket_by_bucket(gqa_tied: Path, ray_local: None) -> None:
+def _push_to_two_workers(mt: Any, bucket_bytes: int) -> tuple[Any, list[Any], list[dict[str, torch.Tensor]]]:
+    """Open a group of the gang's senders (one per stage) and two engine workers (threads of this
+    test: the outer edge), push once; (the gang's report, each worker's report, what each loaded)."""
+    address, port = mt.weight_sender_address()
+    senders = mt.weight_senders
+    group = TransferGroup(address, port, senders + 2, senders, "gloo", 120.0, senders=senders)
+    pgs: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: pgs.__setitem__(r, wt.open_group(group, senders + r)))
+        for r in (0, 1)
+    ]
+    for th in threads:
+        th.start()
+    mt.open_weight_group(group)
+    for th in threads:
+        th.join(timeout=120)
+    loaded: list[dict[str, torch.Tensor]] = [{}, {}]
+    reports: list[Any] = [None, None]
+
+    def receive(r: int) -> None:
+        def load(bucket: list[tuple[str, torch.Tensor]]) -> None:
+            assert not set(loaded[r]) & {n for n, _ in bucket}  # each tensor arrives once
+            loaded[r].update({n: t.clone() for n, t in bucket})
+
+        reports[r] = wt.receive(pgs[r], torch.device("cpu"), load)
+
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (0, 1)]
+    for th in threads:
+        th.start()
+    sent = mt.push_weights(bucket_bytes)
+    for th in threads:
+        th.join(timeout=120)
+    return sent, reports, loaded
+
+
+@pytest.mark.parametrize("split", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_a_gang_pushes_its_gathered_weights_bucket_by_bucket(
+    gqa_tied: Path, ray_local: None, split: dict[str, int]
+) -> None:
+    """TP 2: the one stage's (tp 0, dp 0) rank sends; PP 2: each stage's rank sends its own layers
+    (exact names and shapes), side by side, and every engine worker gets both stages."""
     from rollpacker.trainers.megatron.gang import MegatronTrainer
 
-    mt = MegatronTrainer(gqa_tied, train_config(tp=2), temperature=0.8)
+    mt = MegatronTrainer(gqa_tied, train_config(**split), temperature=0.8)
     try:
-        address, port = mt.weight_sender_address()
-        group = TransferGroup(address, port, 2, 1, "gloo", 120.0)
-        got: dict[str, Any] = {}
-        loaded: list[int] = []
-
-        def engine() -> None:
-            pg = wt.open_group(group, 1)
-            got["pg"] = pg
-
-        th = threading.Thread(target=engine)
-        th.start()
-        mt.open_weight_group(group)
-        th.join(timeout=120)
-
-        def receive() -> None:
-            def load(bucket: list[tuple[str, torch.Tensor]]) -> None:
-                loaded.append(len(bucket))
-                got.update({n: t.clone() for n, t in bucket})
-
-            got["report"] = wt.receive(got["pg"], torch.device("cpu"), load)
-
-        th = threading.Thread(target=receive)
-        th.start()
-        sent = mt.push_weights(4096)  # small buckets: several of them
-        th.join(timeout=120)
-        recv = got.pop("report")
-        got.pop("pg")
+        assert mt.weight_senders == split.get("pp", 1)
+        sent, reports, loaded = _push_to_two_workers(mt, 4096)  # small buckets: several of them
         want = dict(mt.weights())
-        assert set(got) == set(want) and all(torch.equal(got[n], t) for n, t in want.items())
-        assert recv.buckets == sent.buckets == len(loaded) > 3 and not recv.error
-        assert (
-            sent.payload_bytes
-            == recv.payload_bytes
-            == sum(t.numel() * t.element_size() for t in want.values())
-        )
-        # a pipelined gang would need a sender per stage: refused by name
-        mt.pp = 2
-        with pytest.raises(TrainerError, match=r"pp = 2.*use pp: 1"):
-            mt.weight_sender_address()
+        for got, recv in zip(loaded, reports, strict=True):
+            assert set(got) == set(want)
+            assert all(got[n].shape == t.shape and torch.equal(got[n], t) for n, t in want.items())
+            assert recv.buckets == sent.buckets > 3 and not recv.error
+            assert recv.payload_bytes == sent.payload_bytes
+        assert sent.payload_bytes == sum(t.numel() * t.element_size() for t in want.values())
+        if split.get("pp"):  # the last stage holds lm_head (tied: the embedding's copy), the first not
+            assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(want)
+        with pytest.raises(TrainerError, match=r"sender\(s\) for a gang of"):
+            mt.open_weight_group(
+                TransferGroup("127.0.0.1", 1234, 5, 3, "gloo", senders=mt.weight_senders + 1)
+            )
     finally:
         mt.close()

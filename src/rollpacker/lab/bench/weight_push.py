@@ -19,7 +19,8 @@ Figures per push (the median of the repeats): ``sync/weights_s`` (wall seconds f
 byte leaving to the engine serving the new weights), ``bytes_moved`` (through the object store:
 put + get; by the collective: the tensors and headers over the group), and ``copies``: the bytes
 the push writes into new or existing tensors on either side, counted by a ``TorchDispatchMode``
-around each side (``copy_``, ``clone``, ``_to_copy``, ``cat``, ``stack``), plus the bytes Ray
+around each side (``copy_``, ``clone``, ``_to_copy``, ``cat``, ``stack``; not into meta tensors,
+which hold no bytes: vLLM's layerwise reload dry-runs each weight loader on them), plus the bytes Ray
 serializes and deserializes, plus the bytes a worker receives into fresh buffers, divided by the
 model's bytes. After every push the engine's parameters must equal those the first push loaded
 (same weights in, same engine state out), else the run stops.
@@ -69,7 +70,9 @@ class CopyCounter:
                 out = func(*args, **(kwargs or {}))
                 if func.overloadpacket.__name__ in COPY_OPS:
                     t = args[0] if func.overloadpacket.__name__ == "copy_" else out
-                    n = getattr(t, "nbytes", 0) if hasattr(t, "nbytes") else 0
+                    # vLLM's layerwise reload runs each weight loader once on meta tensors to
+                    # count the elements it loads: nothing is written there
+                    n = 0 if getattr(t, "is_meta", False) else getattr(t, "nbytes", 0)
                     with counter._lock:
                         counter.bytes += int(n)
                 return out

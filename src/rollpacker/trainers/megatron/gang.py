@@ -19,8 +19,9 @@ replica got which group, in whatever order.
 
 Weights out (``weight_buckets``): per pipeline stage, buckets of at most ``bucket_mb`` of full
 tensors, TP-gathered on the stage's (tp 0, dp 0) rank and converted to Hugging Face names. With
-``train.weight_sync: collective`` (``push_weights``, one-stage gangs) that rank broadcasts each
-bucket straight to the engine's workers as it is gathered, on its own device.
+``train.weight_sync: collective`` (``push_weights``) that rank broadcasts each of its stage's
+buckets straight to the engines' workers as it is gathered, on its own device: one sender per
+stage, the stages side by side, each worker receiving every stage.
 
 Failure: a rank that dies (``RayActorError``) fails the call with a ``TrainerError`` naming the
 rank, and marks the gang ``broken``; the trainer service then rebuilds the gang from the last
@@ -425,30 +426,49 @@ class MegatronTrainer:
             yield from bucket.items()
 
     # -- the collective weight push (train.weight_sync: collective) ----------------------------------
-    def _sender(self) -> Any:
-        if self.pp != 1:
-            raise TrainerError(
-                f"train.weight_sync: collective with train.megatron.pp = {self.pp}: each stage would send "
-                "its own layers, which is not built yet; use pp: 1 or weight_sync: object_store"
-            )
-        return self.actors[self._head(0)]
+    def _senders(self) -> list[Any]:
+        """One sender per pipeline stage: its (tp 0, dp 0) rank, which holds the stage's gathered
+        tensors; sender ``p`` is rank ``p`` of the weight-transfer group."""
+        return [self.actors[self._head(0, p)] for p in range(self.pp)]
+
+    @property
+    def weight_senders(self) -> int:
+        """The weight-transfer group's sending ranks (``TransferGroup.senders``): one per stage."""
+        return self.pp
 
     def weight_sender_address(self) -> tuple[str, int]:
-        """Where the sender, the (tp 0, dp 0) rank, hosts the weight-transfer group."""
-        address, port = self._get([self._sender().weight_sender_address.remote()], "weight_sender_address")[0]
+        """Where the first stage's sender hosts the weight-transfer group's rendezvous."""
+        got = self._get([self._senders()[0].weight_sender_address.remote()], "weight_sender_address")[0]
+        address, port = got
         return str(address), int(port)
 
     def open_weight_group(self, group: TransferGroup) -> None:
-        """The sender joins ``group`` as rank 0; returns once the engine's workers have joined."""
-        self._get([self._sender().open_weight_group.remote(group.to_json())], "open_weight_group")
+        """Every stage's sender joins ``group`` (stage ``p`` as rank ``p``); returns once the
+        engines' workers have joined too."""
+        if group.senders != self.pp:
+            raise TrainerError(
+                f"weight transfer group with {group.senders} sender(s) for a gang of {self.pp} pipeline "
+                "stage(s): open it with senders = train.megatron.pp"
+            )
+        refs = [a.open_weight_group.remote(group.to_json(), p) for p, a in enumerate(self._senders())]
+        self._get(refs, "open_weight_group")
 
     def push_weights(self, bucket_bytes: int) -> PushReport:
-        """Every rank exports bucket by bucket (TP gathers, on the ranks' devices); the sender
-        broadcasts each bucket to the engine's workers as it is gathered: no copy of the weights
-        passes through this driver or Ray's object store."""
-        sender = self._sender()
+        """Every rank exports bucket by bucket (TP gathers, on the ranks' devices); each stage's
+        sender broadcasts its stage's buckets to the engines' workers as they are gathered, the
+        stages side by side: no copy of the weights passes through this driver or Ray's object
+        store. Returns the stages' reports summed (seconds: the slowest stage)."""
         got = self._all("push_weights", int(bucket_bytes))
-        return PushReport.from_json(got[self.actors.index(sender)], where="weight push report")
+        where = "weight push report"
+        reports = [PushReport.from_json(got[self.actors.index(a)], where=where) for a in self._senders()]
+        return PushReport(
+            buckets=sum(r.buckets for r in reports),
+            tensors=sum(r.tensors for r in reports),
+            payload_bytes=sum(r.payload_bytes for r in reports),
+            header_bytes=sum(r.header_bytes for r in reports),
+            copied_bytes=sum(r.copied_bytes for r in reports),
+            seconds=max(r.seconds for r in reports),
+        )
 
     # -- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self, path: Path) -> Path:

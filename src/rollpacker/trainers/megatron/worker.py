@@ -501,18 +501,24 @@ class RankWorker:
         address = str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
         return address, free_port(address)
 
-    def open_weight_group(self, group_json: str) -> None:
-        """Join the weight-transfer group as its sender, rank 0 (the (tp 0, dp 0) rank of a
-        one-stage gang); returns once the engine's workers have joined too."""
+    def open_weight_group(self, group_json: str, sender: int = 0) -> None:
+        """Join the weight-transfer group as the sender of this rank's pipeline stage (rank
+        ``sender``: the stage's (tp 0, dp 0) rank); returns once the engines' workers have joined."""
         from rollpacker.core.weight_sync import TransferGroup
         from rollpacker.engines.weight_transfer import open_group
 
-        self._weight_pg = open_group(TransferGroup.from_json(group_json, where="weight transfer group"), 0)
+        if sender != self.pp_rank:
+            raise TrainerError(
+                f"rank {self.rank} (stage {self.pp_rank}) cannot send stage {sender}'s weights"
+            )
+        group = TransferGroup.from_json(group_json, where="weight transfer group")
+        self._weight_pg = open_group(group, sender)
 
     def push_weights(self, bucket_bytes: int) -> str:
         """Collective over the TP group of every DP replica (the export, bucket by bucket, kept on
         the rank's device); the sender broadcasts each bucket to the engine's workers as it is
-        gathered. Returns the sender's ``PushReport`` as JSON ("" on the other ranks)."""
+        gathered. Returns the sender's ``PushReport`` as JSON ("" on the other ranks): one sender
+        per pipeline stage, each with its own stage's tensors under their global HF names."""
         from rollpacker.engines.weight_transfer import send
 
         pg = getattr(self, "_weight_pg", None)
