@@ -51,6 +51,7 @@ from rollpacker.engines.gpus import check_machine
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray, plan_on_ray
+from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
@@ -146,6 +147,7 @@ def run_experiment(
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
     try:
+        hooks.at("setup", -1)  # the interrupt tests' point (stages/hooks.py; a no-op otherwise)
         preflight(cfg, runner, chosen)
         if fresh:
             reset_arms(cfg, chosen, say)
@@ -153,6 +155,7 @@ def run_experiment(
         for arm in chosen:
             out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say))
         report = compare(cfg.tracking_uri, cfg.experiment)
+        hooks.at("compare", -1)  # read, not yet logged
         log_compare(report, cfg.tracking_uri, cfg.experiment)
         out.compare_table = report.render()
         return out
