@@ -1,5 +1,7 @@
 """`rollpacker run` interrupted (Ctrl-C's SIGINT, or SIGKILL) during its set-up, the warm-up, a step
-and the compare; the same command then continues and finishes with the right result.
+and the compare; the same command then continues and finishes with the right result. Two runs of
+the test: SIGINT, SIGKILL, SIGINT, SIGKILL at those points, and the other way round (that one with
+``ROLLPACKER_TEST_INTERRUPTS=all``: the suite's time budget holds one).
 
 Each run is the real CLI in a process of its own, with the state in a real S3 server (SeaweedFS),
 the metrics in a real MLflow store (SQLite), the stages and services of the inline runner, the
@@ -54,11 +56,11 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.Service
         devservices.down(root, grace_s=3.0)
 
 
-def _config(svc: devservices.Services, tmp: Path) -> Path:
+def _config(svc: devservices.Services, tmp: Path, experiment: str) -> Path:
     cfg = tmp / "interrupts.yaml"
     cfg.write_text(
         f"""
-experiment: interrupts
+experiment: {experiment}
 steps: {STEPS}
 arms: [{", ".join(ARMS)}]
 tracking_uri: sqlite:///{tmp / "mlflow.db"}
@@ -77,8 +79,8 @@ validation: {{every: 100, max_tokens: 16}}
 class _Runs:
     """`rollpacker run` on one config, as a process; a fault spec (``faults.py``) per run."""
 
-    def __init__(self, svc: devservices.Services, tmp: Path) -> None:
-        self.cfg = _config(svc, tmp)
+    def __init__(self, svc: devservices.Services, tmp: Path, experiment: str) -> None:
+        self.cfg = _config(svc, tmp, experiment)
         self.cwd, self.cache, self.marks = tmp, tmp / "cache", tmp / "marks"
         self.marks.mkdir()
         self.env = {**os.environ, **svc.env(), "ROLLPACKER_CACHE": str(self.cache)}
@@ -122,37 +124,56 @@ def _warming_up(cache: Path) -> bool:
     return any((cache / "models").glob("warm-*.tmp-*"))
 
 
+def _at(point: str, step: int, sig: signal.Signals) -> str:
+    """The fault spec (testing/faults.py) that signals the run itself at a hook point."""
+    return f"{point}{':SIGINT' if sig is signal.SIGINT else ''}@{step}"
+
+
+# each point gets SIGINT in one run of the test and SIGKILL in the other; the suite's budget holds
+# one (~65 s of CPU here), so the second runs with ROLLPACKER_TEST_INTERRUPTS=all
+ALL_ENV = "ROLLPACKER_TEST_INTERRUPTS"
+SWAPPED = pytest.mark.skipif(
+    os.environ.get(ALL_ENV) != "all", reason=f"the swapped signals run with {ALL_ENV}=all (suite budget)"
+)
+
+
+@pytest.mark.parametrize(
+    "first", [signal.SIGINT, pytest.param(signal.SIGKILL, marks=SWAPPED)], ids=lambda s: f"from-{s.name}"
+)
 def test_run_interrupted_anywhere_continues_and_finishes(
-    s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    first: signal.Signals, s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for k, v in s3.env().items():  # the checks below read the store as the runs did
         monkeypatch.setenv(k, v)
-    runs = _Runs(s3, tmp_path)
+    experiment = f"interrupts-{first.name.lower()}"
+    runs = _Runs(s3, tmp_path, experiment)
+    other = signal.SIGKILL if first is signal.SIGINT else signal.SIGINT
 
-    # 1. set-up (after the local checks, before the store, MLflow and the arms): Ctrl-C
-    code, _, err = runs.run("setup:SIGINT@-1")
-    _interrupted(code, err, signal.SIGINT)
+    # 1. set-up (after the local checks, before the store, MLflow and the arms)
+    code, _, err = runs.run(_at("setup", -1, first))
+    _interrupted(code, err, first)
     assert "committed through" not in err  # no arm was started
 
-    # 2. the warm-up, from outside, while its directory is being written: SIGKILL
+    # 2. the warm-up, from outside (to the run's process group, as a terminal's Ctrl-C), while its
+    # directory is being written
     proc = runs.start()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not _warming_up(runs.cache) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before its warm-up began"
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, other)
     code, _, err = runs.finish(proc)
-    _interrupted(code, err, signal.SIGKILL)
+    _interrupted(code, err, other)
     assert not list((runs.cache / "models").glob("warm-*/warmup.json"))  # no warm-up was published
 
-    # 3. a step: Ctrl-C in the sync arm's second step, after its update, before its commit
-    code, _, err = runs.run("train:SIGINT@1")
-    _interrupted(code, err, signal.SIGINT)
+    # 3. a step: the sync arm's second step, after its update, before its commit
+    code, _, err = runs.run(_at("train", 1, first))
+    _interrupted(code, err, first)
     assert "[sync] committed through step -1; running 2 more step(s)" in err, err[-3000:]
 
-    # 4. the compare: every step committed, the comparison read and not yet logged: SIGKILL
-    code, _, err = runs.run("compare@-1")
-    _interrupted(code, err, signal.SIGKILL)
+    # 4. the compare: every step committed, the comparison read and not yet logged
+    code, _, err = runs.run(_at("compare", -1, other))
+    _interrupted(code, err, other)
     assert "[sync] committed through step 0; running 1 more step(s)" in err, err[-3000:]
     assert "[tail_batching] committed through step -1; running 2 more step(s)" in err, err[-3000:]
 
@@ -164,14 +185,14 @@ def test_run_interrupted_anywhere_continues_and_finishes(
         check_chain(runs.cfg, STEPS, arm)
     assert "speedup" in out and "tail_batching" in out, out
     assert len(list((runs.cache / "models").glob("warm-*/warmup.json"))) == 1
-    _mlflow_holds_each_step_once(tmp_path / "mlflow.db")
+    _mlflow_holds_each_step_once(tmp_path / "mlflow.db", experiment)
 
 
-def _mlflow_holds_each_step_once(db: Path) -> None:
+def _mlflow_holds_each_step_once(db: Path, experiment: str) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{db}")
-    exp = client.get_experiment_by_name("interrupts")
+    exp = client.get_experiment_by_name(experiment)
     assert exp is not None
     for arm in ARMS:
         (run,) = client.search_runs([exp.experiment_id], f"tags.`rollpacker.arm` = '{arm}'")
