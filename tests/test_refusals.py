@@ -1,7 +1,8 @@
 """Every config refusal fires before slow work: `train`, `run`, `bench learning` and `submit` with
 a mistaken setting fail at load time, in seconds, on an empty model cache and with no services,
-and leave nothing behind (no warm-up, no store, no MLflow file, no engine, Ray or torch loaded), so
-the corrected command in the same directory just runs."""
+and leave nothing behind (no warm-up, no store, no MLflow file, no log, no engine, Ray or torch
+loaded), so the corrected command in the same directory just runs. The machine is checked too: a
+cuda engine, trainer or layout where no GPU (or too few) is visible."""
 
 from __future__ import annotations
 
@@ -68,6 +69,28 @@ CASES: list[tuple[str, list[str], str]] = [
     ("objective", ["train", "--set", "train.objective=nonsense"], "train.objective = 'nonsense'"),
     ("policy", ["train", "--set", "rollout.policy=nonsense"], "rollout.policy = 'nonsense'"),
     ("unknown key", ["train", "--set", "engine.tp=2"], "engine.tp"),
+    # the machine (no GPU here; CUDA_VISIBLE_DEVICES as MACHINE says), counted without NVML or vLLM
+    (
+        "engine on cuda, no GPU",
+        ["train", "--set", "engine.device=cuda"],
+        "engine.device: cuda: the rollout engine runs on GPUs but this machine shows no GPU",
+    ),
+    (
+        "engine tp > GPUs",
+        ["train", "--set", "engine.device=cuda", "--set", "engine.tensor_parallel_size=4"],
+        "engine.tensor_parallel_size = 4 with engine.device: cuda: it needs 4 GPUs but this machine shows 2",
+    ),
+    (
+        "layouts > GPUs",
+        ["train", "--set", "engine.device=cuda", "--set", "planner.devices=4", "--set", "planner.max_tp=4"],
+        "planner.devices = 4 with engine.device: cuda: it needs 4 GPUs but this machine shows 1",
+    ),
+    ("trainer on cuda, no GPU", ["train", "--set", "train.device=cuda"], "train.device = cuda: this machine"),
+    (
+        "run on cuda, no GPU",
+        ["run", "--runner", "inline", "--no-services", "--config", "{cuda_yaml}"],
+        "engine.device: cuda: the rollout engine runs on GPUs",
+    ),
     ("run", ["run", "--no-services", "--config", "{megatron_yaml}"], f"tp = 3 {HEADS}"),
     (
         "bench learning",
@@ -81,22 +104,27 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
 ]
 
+# CUDA_VISIBLE_DEVICES per case (every other case: "", no GPU, whatever the machine has)
+MACHINE = {"engine tp > GPUs": "0,1", "layouts > GPUs": "0"}
+
 # one interpreter walks every case (CliRunner); a case still running after LIMIT_S has reached slow
 # work: it is stopped there (SIGALRM) and reported, and the walk stops
 LIMIT_S = 5
 _DRIVER = """
-import json, signal, socket, sys, time
+import json, os, signal, socket, sys, time
 from typer.testing import CliRunner
 from rollpacker.cli import app
 def too_slow(*_):
     raise TimeoutError("still running: it reached slow work")
 signal.signal(signal.SIGALRM, too_slow)
 cases, limit, report = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+machine = json.loads(sys.argv[4])
 kfp = socket.socket(); kfp.bind(("127.0.0.1", 0)); kfp.listen()  # a KFP host that accepts connections
 port = kfp.getsockname()[1]
 out = []
 for name, args, _ in cases:
     args = [a.replace("{port}", str(port)) for a in args]
+    os.environ["CUDA_VISIBLE_DEVICES"] = machine.get(name, "")
     t0 = time.perf_counter()
     signal.alarm(limit)
     res = CliRunner().invoke(app, args)
@@ -121,12 +149,21 @@ def test_every_refusal_fires_before_slow_work(tmp_path: Path) -> None:
     data["train"].pop("kl_coef", None)
     megatron_yaml = tmp_path / "megatron.yaml"
     megatron_yaml.write_text(yaml.safe_dump(data))
+    data = yaml.safe_load((SHIPPED_CONFIGS / "experiment.yaml").read_text())
+    data["engine"] = {**data.get("engine", {}), "device": "cuda"}
+    cuda_yaml = tmp_path / "cuda.yaml"
+    cuda_yaml.write_text(yaml.safe_dump(data))
     work = tmp_path / "work"
     work.mkdir()
     cases = [
         (
             n,
-            [a.replace("{model}", str(model)).replace("{megatron_yaml}", str(megatron_yaml)) for a in args],
+            [
+                a.replace("{model}", str(model))
+                .replace("{megatron_yaml}", str(megatron_yaml))
+                .replace("{cuda_yaml}", str(cuda_yaml))
+                for a in args
+            ],
             m,
         )
         for n, args, m in CASES
@@ -135,7 +172,7 @@ def test_every_refusal_fires_before_slow_work(tmp_path: Path) -> None:
     env = {**os.environ, "ROLLPACKER_CACHE": str(cache), "ROLLPACKER_SERVICES_DIR": str(services)}
     env.pop("RAY_ADDRESS", None)
     report_file = tmp_path / "report.json"
-    args = [json.dumps(cases), str(LIMIT_S), str(report_file)]
+    args = [json.dumps(cases), str(LIMIT_S), str(report_file), json.dumps(MACHINE)]
     res = subprocess.run(
         [sys.executable, "-c", _DRIVER, *args], cwd=work, env=env, stderr=subprocess.PIPE, timeout=120
     )
@@ -149,6 +186,7 @@ def test_every_refusal_fires_before_slow_work(tmp_path: Path) -> None:
     assert len(report["cases"]) == len(cases)
     assert report["heavy"] == []  # no engine, trainer, Ray or model was loaded
     assert not cache.exists() and not services.exists()  # nothing warmed up, no service started
-    # no store, no MLflow file, no output; only `run`'s log (which holds the error)
+    # no store, no MLflow file, no output, no log (`run` opens its log after the checks); `submit`
+    # makes its (empty) output directory first
     left = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
-    assert left == ["build/runs/logs/rollpacker-embedded/run.log"], left
+    assert left == [], left

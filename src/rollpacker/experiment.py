@@ -50,11 +50,13 @@ from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Runner, ServicesMode, parse_enum
+from rollpacker.engines.gpus import check_machine
 from rollpacker.logs import console
 from rollpacker.pipeline_local import run_arm_kfp
 from rollpacker.rewards.factory import judge_model_dir
 from rollpacker.services.base import ServiceError
 from rollpacker.services.registry import RegistrySpec, ServiceRegistry, connect_ray, plan_on_ray
+from rollpacker.stages import hooks
 from rollpacker.stages.context import StageContext
 from rollpacker.stages.messages import GroupsLog
 from rollpacker.stages.run import run_step
@@ -121,6 +123,35 @@ def preflight(cfg: ExperimentConfig, runner: Runner, arms: Sequence[str] = (), a
             plan_on_ray(one_at_a_time, arms)
 
 
+def check_experiment(
+    config_path: Path, runner: Runner | str = Runner.KFP, arms: Sequence[str] | None = None
+) -> tuple[Path, ExperimentConfig, list[str]]:
+    """Every check of ``run_experiment`` that needs no service, store, warm-up or engine: the
+    config, the arms, the model against each arm, and the machine where the engine runs here
+    (``--runner inline``, or a Ray head on this machine). Returns the config's path, the config
+    and the chosen arms. ``rollpacker run`` calls it before it opens its log."""
+    runner = parse_enum(Runner, runner, "--runner")  # kfp (kfp.local) or inline (one process)
+    config_path = resolve_config(config_path)
+    cfg = load_config(config_path)
+    text = config_path.read_text()
+    chosen = list(arms) if arms else cfg.arm_names
+    for a in chosen:
+        if a not in cfg.arm_names:
+            raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
+        arm_cfg = arm_config(text, a)
+        check_model(arm_cfg)  # before the services, the store and any warm-up
+        if runner is Runner.INLINE or _ray_here(cfg):
+            check_machine(arm_cfg)
+    return config_path, cfg, chosen
+
+
+def _ray_here(cfg: ExperimentConfig) -> bool:
+    """Whether the services' Ray cluster is the local head (its engines run on this machine)."""
+    address = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "")
+    host = address.removeprefix("ray://").split(":")[0]
+    return host in ("", "localhost") or host.startswith("127.")
+
+
 def run_experiment(
     config_path: Path,
     runner: Runner = Runner.KFP,
@@ -133,19 +164,14 @@ def run_experiment(
 ) -> ExperimentOutcome:
     err = console()  # bound now: kfp.local's run redirects sys.stderr into its log
     say = echo or (lambda s: print(s, file=err, flush=True))
-    runner = parse_enum(Runner, runner, "--runner")  # kfp (kfp.local) or inline (one process)
-    config_path = resolve_config(config_path)
-    cfg = load_config(config_path)
+    runner = parse_enum(Runner, runner, "--runner")
+    config_path, cfg, chosen = check_experiment(config_path, runner, arms)
     text = config_path.read_text()
-    chosen = list(arms) if arms else cfg.arm_names
-    for a in chosen:
-        if a not in cfg.arm_names:
-            raise ConfigError(f"--arm {a!r}: not in the config's arms {cfg.arm_names}")
-        check_model(arm_config(text, a))  # before the services, the store and any warm-up
     started: Any = None
     if start_services and _is_local(cfg):
         started = _local_up(cfg, say)
     try:
+        hooks.at("setup", -1)  # the interrupt tests' point (stages/hooks.py; a no-op otherwise)
         address = ray_address(cfg) if runner is Runner.KFP else ""
         preflight(cfg, runner, chosen, address)
         if fresh:
@@ -154,6 +180,7 @@ def run_experiment(
         for arm in chosen:
             out.arms.append(_run_arm(cfg, text, arm, runner, retries, pipeline_root, say, address))
         report = compare(cfg.tracking_uri, cfg.experiment)
+        hooks.at("compare", -1)  # read, not yet logged
         log_compare(report, cfg.tracking_uri, cfg.experiment)
         out.compare_table = report.render()
         return out
@@ -316,6 +343,7 @@ def train_config(
     text = yaml.safe_dump(data, sort_keys=False)
     cfg = config_from_text(text, where=f"{config_path} (as one training arm)")
     check_model(cfg)  # the model-dependent checks, before any warm-up, engine or store work
+    check_machine(cfg)  # its engine and trainer run on this machine
     if cfg.store.endpoint == f"file://{root}":
         root.mkdir(parents=True, exist_ok=True)  # only for a config that passed every check
     return text, cfg

@@ -1,4 +1,5 @@
-"""The rollout engine contract: the fake engine and the real vLLM adapter pass the same tests."""
+"""The rollout engine contract: the fake engine, the simulated engine (``engine.kind: simulated``)
+and the real vLLM adapter pass the same tests."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from rollpacker.engines.fake import FakeEngine
 CONCURRENCY = 8
 
 
-@pytest.fixture(scope="module", params=["fake", pytest.param("vllm", marks=pytest.mark.slow)])
-def engine(request):
+@pytest.fixture(scope="module", params=["fake", "simulated", pytest.param("vllm", marks=pytest.mark.slow)])
+def engine(request, tmp_path_factory):
     if request.param == "fake":
         eng = FakeEngine(concurrency=CONCURRENCY, kv_capacity_tokens=4096)
+    elif request.param == "simulated":
+        from rollpacker.core.config import EngineConfig
+        from rollpacker.engines.simulated import build_engine
+
+        model = tmp_path_factory.mktemp("model")
+        (model / "config.json").write_text('{"vocab_size": 300, "eos_token_id": 2}')
+        eng = build_engine(EngineConfig(model_dir=str(model), max_num_seqs=CONCURRENCY, kind="simulated"))
     else:
         from rollpacker.core.config import EngineConfig
         from rollpacker.engines.vllm_engine import VLLMEngine

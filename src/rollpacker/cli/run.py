@@ -95,12 +95,12 @@ def run_cmd(
     services (SeaweedFS S3, MLflow server, Ray head) are started when the config points at
     127.0.0.1 and none runs, and stopped again at the end.
     """
-    from rollpacker.core.config import load_config
-    from rollpacker.experiment import run_experiment
+    from rollpacker.experiment import check_experiment, run_experiment
     from rollpacker.logs import library_output_to, log_path
 
-    path = config_path(config)
-    with library_output_to(log_path(load_config(path), "run")):
+    # every refusal that needs no service comes before the log opens: it leaves nothing
+    path, cfg, _ = check_experiment(config_path(config), runner, arm or None)
+    with library_output_to(log_path(cfg, "run")):
         out = run_experiment(
             path,
             runner=runner,

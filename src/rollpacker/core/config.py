@@ -161,6 +161,9 @@ class RolloutConfig:
         return speculative_count(self.eta_r, self.responses_per_prompt)
 
 
+ENGINE_KINDS = ("vllm", "simulated")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the rollout engine is sized (vLLM's knobs, engine-neutral names)."""
@@ -180,8 +183,16 @@ class EngineConfig:
     # (docs/parallelism.md "Engines on GPUs"). On CPU kv_cache_gib sizes the KV cache instead.
     gpu_memory_utilization: float = 0.9
     cuda_graphs: str | bool = "auto"  # auto = on for CUDA, off on CPU (vLLM's enforce_eager)
+    # vllm: the real engine; simulated: a deterministic stand-in in the model's vocabulary that
+    # starts at once (engines/simulated.py): for dry runs and the interrupt tests, never for results
+    kind: str = "vllm"
 
     def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ConfigError(
+                f"engine.kind = {self.kind!r}: use one of {', '.join(ENGINE_KINDS)} (simulated: a stand-in "
+                "engine for dry runs, whose samples and logprobs are not the model's)"
+            )
         _positive_int("engine.max_num_seqs", self.max_num_seqs)
         _positive_int("engine.max_model_len", self.max_model_len)
         _positive_int("engine.tensor_parallel_size", self.tensor_parallel_size)
@@ -1031,6 +1042,7 @@ class ExperimentConfig:
                 f"their devices to: set planner.devices >= 2 (it is {self.planner.devices}) and "
                 f"train.stream: true (it is {str(self.train.stream).lower()})"
             )
+        self._check_simulated_engine()
         j = self.reward.judge
         check_judge(  # the toy judge on a config that declares GPUs; a judge model outside the store
             model=j.model,
@@ -1051,6 +1063,39 @@ class ExperimentConfig:
             train_device=t.device,
             judge_device=self.reward.judge.device,
         )
+
+    def _check_simulated_engine(self) -> None:
+        """``engine.kind: simulated`` runs the pipeline for real around a stand-in engine on this
+        machine: refused where it would pass for a real run (a config that declares GPUs, a cuda
+        engine) or where a check compares its samples with the model (the weight-sync probe), and
+        where the stand-in does not reach (layouts, the collective push)."""
+        if self.engine.kind != "simulated":
+            return
+        why = []
+        if self.gpu_declarations or self.engine.device == "cuda":
+            on = ", ".join(
+                (*self.gpu_declarations, *(("engine.device: cuda",) * (self.engine.device == "cuda")))
+            )
+            why.append(f"the config runs on GPUs ({on}): a cluster run needs the real engine")
+        if self.planner.devices:
+            why.append(f"planner.devices = {self.planner.devices}: it has no engine layouts (set 0)")
+        if self.train.weight_sync == "collective":
+            why.append("train.weight_sync: collective needs a vLLM engine (use object_store)")
+        if self.engine.speculation.enabled:
+            why.append(
+                "engine.speculation.enabled: it drafts nothing (set engine.speculation.enabled: false)"
+            )
+        if self.train.sync_probe.enabled:
+            why.append(
+                "train.sync_probe.enabled: the probe compares the engine's logprobs with the model's, "
+                "which a simulated engine does not sample from (set train.sync_probe.enabled: false)"
+            )
+        if why:
+            raise ConfigError(
+                "engine.kind: simulated (a stand-in engine for dry runs): "
+                + "; ".join(why)
+                + "; or use engine.kind: vllm"
+            )
 
     def _check_trainer_dtype(self) -> None:
         """On GPUs the trainer must train in the engine's dtype (the megatron gang on GPU ranks, the

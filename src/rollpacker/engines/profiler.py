@@ -119,6 +119,9 @@ def copy_bandwidth_bps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 def _engine_kv_capacity(engine: LayoutEngine) -> int:
     rep = engine.replicas[0]
+    cap = getattr(rep, "kv_capacity_tokens", None)  # a simulated engine's (engine.kind: simulated)
+    if isinstance(cap, int):
+        return cap
     cc = rep._engine.vllm_config.cache_config
     blocks = cc.num_gpu_blocks
     if not blocks:

@@ -84,6 +84,7 @@ from rollpacker.engines.layout import (
 )
 from rollpacker.engines.layout_push import PushTargets
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check
+from rollpacker.engines.simulated import build_engine
 from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import RoundRun, generate, run_round, sample_requests
 from rollpacker.services.api import (
@@ -169,8 +170,9 @@ class RolloutService(Service, RolloutAPI):
             if cfg.planner.devices:
                 self.engine = self._start_layouts(ecfg, state.tp_plan.short_tp)
             else:
-                rollout_devices(ecfg, 0, self._given_gpus())  # refuses idle GPUs
-                self.engine = VLLMEngine(ecfg)
+                if ecfg.kind != "simulated":  # a stand-in engine (engines/simulated.py) holds no device
+                    rollout_devices(ecfg, 0, self._given_gpus())  # refuses idle GPUs
+                self.engine = build_engine(ecfg)
             self._restore_drafts()
             started = True
         else:

@@ -4,9 +4,12 @@ down for a step; hang a sandbox run.
 
 Enable with ``ROLLPACKER_STAGE_HOOK=rollpacker.testing.faults:kill_at`` and
 ``ROLLPACKER_FAULT=<spec>[,...]``, a spec being ``<point>[:<target>]@<step>`` (``point`` a stage
-hook point: ``plan``, ``rollout``, ``reward``, ``judge``, ``train``, ``commit``):
+hook point: ``plan``, ``rollout``, ``reward``, ``judge``, ``train``, ``commit``; and the
+experiment's own, at step -1: ``setup`` once the local services are up, before the checks of the
+store, MLflow and Ray, and ``compare`` after the comparison is read, before it is logged):
 
 - no target: SIGKILL of the stage process at that point (after the point's delay);
+- ``SIGINT``: a SIGINT (Ctrl-C) to the stage process at that point, at once;
 - ``RolloutService``, ``RewardService`` (both the reward and the judge service),
   ``TrainerService``, ...: at once, SIGKILL of every Ray actor process of that class
   (``ray::<Class>``);
@@ -50,6 +53,7 @@ ENGINE_CORE = "EngineCore"
 # carried out by the fault controller (node-down: the two-node test's, tests/experiment/test_two_nodes.py)
 CONTROLLED = ("s3-restart", "mlflow-down", "node-down")
 SANDBOX_HANG = "sandbox-hang"
+INTERRUPT = "SIGINT"
 ACK_TIMEOUT_S = 90.0
 
 
@@ -69,6 +73,8 @@ def kill_at(point: str, step: int, delay_s: float = 0.0) -> None:
                 _start_watcher(mark_dir, spec, "_hang_sandbox")
             elif target == ENGINE_CORE:
                 _start_watcher(mark_dir, spec, "_kill_busy_core")
+            elif target == INTERRUPT:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: KeyboardInterrupt in the main thread
             else:
                 _kill(target, delay_s)
 
