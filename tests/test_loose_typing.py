@@ -75,7 +75,13 @@ BUDGET: dict[str, Budget] = {
     "rollpacker.engines.base": Budget(0, 1, TENSORS),
     "rollpacker.engines.fake": Budget(3, 3, TENSORS + "; fingerprints a tensor or a plain sequence"),
     "rollpacker.engines.layout": Budget(
-        8, 6, TENSORS + "; replicas are vLLM engines or fakes: startup_s, dead and the KV capacity are probed"
+        8, 8, TENSORS + "; replicas are vLLM engines or fakes: startup_s, dead and the KV capacity are probed"
+    ),
+    "rollpacker.engines.layout_push": Budget(
+        0, 8, "runs vLLM engines' collective calls side by side, on threads (the calls' results of any kind)"
+    ),
+    "rollpacker.engines.simulated": Budget(
+        0, 1, "build_engine: a VLLMEngine (imported only when chosen) or the stand-in"
     ),
     "rollpacker.engines.profiler": Budget(0, 3, "writes the profile document (JSON rows)"),
     "rollpacker.experiment": Budget(

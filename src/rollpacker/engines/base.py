@@ -92,3 +92,20 @@ class RequestList(Protocol):
     """An engine that lists the ids of its requests still running (added, neither finished nor aborted)."""
 
     def live_request_ids(self) -> list[str]: ...
+
+
+@runtime_checkable
+class KVCapacity(Protocol):
+    """An engine that states how many tokens its KV cache holds (the simulated engine; vLLM's is
+    read from its cache config)."""
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class WeightReceiver(Protocol):
+    """An engine that receives a collective weight push (``train.weight_sync: collective``:
+    ``VLLMEngine``); one report per worker."""
+
+    def receive_weights(self, policy_version: int, keep_dir: str = "") -> Sequence[object]: ...

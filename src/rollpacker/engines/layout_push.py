@@ -37,6 +37,7 @@ from typing import Any
 
 from rollpacker.core.errors import EngineError
 from rollpacker.core.weight_sync import TransferGroup
+from rollpacker.engines.base import WeightReceiver
 from rollpacker.engines.layout import SwitchingEngine
 from rollpacker.engines.weight_transfer import PushReport, read_kept
 
@@ -80,7 +81,7 @@ class PushTargets:
         """``keep_dir``: where the copy for later layouts goes (a directory of this node, needed
         only when not every layout stays started)."""
         self.engines = _receivers(engine)
-        missing = [e for e in self.engines if not hasattr(e, "receive_weights")]
+        missing = [e for e in self.engines if not isinstance(e, WeightReceiver)]
         if missing:
             raise EngineError(
                 f"the collective weight push needs vLLM engines; {type(missing[0]).__name__} takes none"

@@ -37,6 +37,7 @@ from rollpacker.core.latency import (
 )
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.types import GenerationRequest, Prompt, SamplingSpec
+from rollpacker.engines.base import KVCapacity
 from rollpacker.engines.gpus import engine_device, gpu_name, visible_gpus
 from rollpacker.engines.layout import EnginePool, LayoutEngine
 
@@ -119,9 +120,8 @@ def copy_bandwidth_bps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
 
 def _engine_kv_capacity(engine: LayoutEngine) -> int:
     rep = engine.replicas[0]
-    cap = getattr(rep, "kv_capacity_tokens", None)  # a simulated engine's (engine.kind: simulated)
-    if isinstance(cap, int):
-        return cap
+    if isinstance(rep, KVCapacity):  # a simulated engine's (engine.kind: simulated)
+        return rep.kv_capacity_tokens
     cc = rep._engine.vllm_config.cache_config
     blocks = cc.num_gpu_blocks
     if not blocks:
