@@ -226,7 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", default="/tmp/rollpacker-bench-weight-push")
     a = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=6 * 2**30)
+    ray.init(  # a head of its own ("local"), never a cluster `ray start` left on this machine
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=6 * 2**30,
+    )
     results = []
     try:
         for name in a.models.split(","):

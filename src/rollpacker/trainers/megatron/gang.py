@@ -612,7 +612,15 @@ def _local_ray(num_cpus: float, attempts: int = 3) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     for i in range(attempts):
         try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            # "local": a new head of its own, never a cluster `ray start` left on this machine
+            # (ray.init() with no address attaches to the last one and then refuses num_cpus)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level="ERROR",
+            )
             return
         except Exception as e:
             ray.shutdown()
