@@ -45,7 +45,10 @@ def _reference_backward(model: Any, batch: Sequence[Pair], budget: int, eos: int
         ids, labels, attn = _pad(mb, eos)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), reduction="sum", ignore_index=-100
+            logits.reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            reduction="sum",
+            ignore_index=-100,
         )
         (nll / n_tokens).backward()
         total += float(nll.detach())
@@ -111,7 +114,7 @@ def test_micro_batches_keep_every_sequence_within_the_budget_with_less_padding()
     # the greedy cut (fill each micro-batch to the budget) pads these far more
     greedy_padded, cur = 0, []
     for n in sorted(lengths):
-        if cur and max(cur + [n]) * (len(cur) + 1) > budget:
+        if cur and max([*cur, n]) * (len(cur) + 1) > budget:
             greedy_padded += max(cur) * len(cur)
             cur = []
         cur.append(n)
