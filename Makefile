@@ -51,7 +51,7 @@ PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
 	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) $(VENV)/bin/pytest -q -m "not gpu" --durations=30 \
-		-n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+		-n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The main job: the embedded default experiment (configs/experiment.yaml: tiny model, mixed tasks,
 # sync and tail_batching arms), each RL step a kfp.local pipeline run, the engines in Ray, state in

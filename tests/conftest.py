@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,33 +33,55 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile("gate")
 
 
-# `make test` runs the suite on two pytest-xdist workers (`--dist loadgroup`). A module goes to
-# one worker whole (its module and session fixtures start once). The modules with a slow test (real
-# engines, Ray, servers, whole runs) are one group, "serial": they run one after another on one
-# worker, as they ran before, while the other modules run beside them on the other worker. Also
-# serial: the modules that start Ray or the local services from fast tests, and the sandbox's (its
-# leak check looks at every jailed process of the machine, so no other sandbox may run beside it).
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, with the
+# scheduler below). A test module goes to one worker whole (its module and session fixtures start
+# once). The modules with a slow test (real engines, Ray, servers, whole runs) are one unit of
+# work, "serial": they run one after another on one worker, in the order and alone as before, while
+# the other modules run beside them on the other worker. Also serial: the modules that start Ray or
+# the local services from fast tests, and the sandbox's (its leak check looks at every jailed
+# process of the machine, so no other sandbox may run beside it). The grouping is by the module's
+# source (a `pytest.mark.slow` in it), read by the controller, which collects nothing itself;
+# xdist's own `xdist_group` marks are not used: under pytest 9.2 they group nothing (seen: a
+# module's marked tests on both workers).
 SERIAL_ALWAYS = (
     "tests/rewards/",
     "tests/services/test_placement.py",
     "tests/experiment/test_experiment_preflight.py",
 )
+SERIAL = "serial"
 
 
-def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
-    """Each module's xdist group: "serial", or the module's own path (beside anything)."""
-    modules: dict[str, bool] = {}
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        slow = item.get_closest_marker("slow") is not None or path.startswith(SERIAL_ALWAYS)
-        modules[path] = modules.get(path, False) or slow
-    return {path: "serial" if slow else path for path, slow in modules.items()}
+def serial_module(path: str, source: str) -> bool:
+    """Whether the test module at ``path`` (relative to the repository) runs in the serial unit."""
+    return path.startswith(SERIAL_ALWAYS) or "pytest.mark.slow" in source
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    groups = xdist_groups(items)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::", 1)[0]]))
+def scope_of(nodeid: str, root: Path, cache: dict[str, str]) -> str:
+    """The unit of work a test belongs to: ``SERIAL``, or its module's path."""
+    path = nodeid.split("::", 1)[0]
+    if path not in cache:
+        try:
+            source = (root / path).read_text()
+        except OSError:
+            source = ""
+        cache[path] = SERIAL if serial_module(path, source) else path
+    return cache[path]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``--dist loadscope``: xdist's scope scheduler, its scopes the units above."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root, cache = Path(config.rootpath), {}
+
+    class SerialSlowScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid, root, cache)
+
+    return SerialSlowScheduling(config, log)
 
 
 def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:

@@ -1,44 +1,39 @@
-"""The suite's grouping for pytest-xdist (`make test` runs two workers, tests/conftest.py): whole
-modules go to one worker, every module with a slow test (or one that starts real services from
-fast tests, or runs the sandbox) is in the one "serial" group, the rest run beside it."""
+"""The suite's units of work under pytest-xdist (`make test` runs two workers with the scheduler
+of tests/conftest.py): a module goes to one worker whole; every module with a slow test (or one that
+starts real services from fast tests, or runs the sandbox) is in the one "serial" unit, the rest run
+beside it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from pathlib import Path
 
-import pytest
+from tests.conftest import SERIAL, scope_of, serial_module
 
-from tests.conftest import xdist_groups
-
-
-def _item(nodeid: str, slow: bool = False) -> Any:
-    return SimpleNamespace(
-        nodeid=nodeid, get_closest_marker=lambda name: object() if slow and name == "slow" else None
-    )
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_module_with_one_slow_test_is_serial_whole() -> None:
-    groups = xdist_groups(
-        [_item("tests/a/test_x.py::test_fast"), _item("tests/a/test_x.py::test_slow[p1]", slow=True)]
-    )
-    assert groups == {"tests/a/test_x.py": "serial"}
+def test_a_module_with_a_slow_test_is_serial_and_a_fast_one_is_its_own_unit(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    (tmp_path / "tests/a/test_slow.py").write_text("import pytest\n@pytest.mark.slow\ndef test_x(): pass\n")
+    (tmp_path / "tests/a/test_fast.py").write_text("def test_y(): pass\n")
+    cache: dict[str, str] = {}
+    assert scope_of("tests/a/test_slow.py::test_x[p1]", tmp_path, cache) == SERIAL
+    assert scope_of("tests/a/test_fast.py::test_y", tmp_path, cache) == "tests/a/test_fast.py"
+    assert scope_of("tests/a/test_fast.py::Cls::test_z", tmp_path, cache) == "tests/a/test_fast.py"
 
 
-def test_fast_modules_are_their_own_group_and_the_sandbox_is_serial() -> None:
-    groups = xdist_groups(
-        [
-            _item("tests/core/test_y.py::test_a"),
-            _item("tests/core/test_y.py::test_b[1-2]"),
-            _item("tests/rewards/test_sandbox.py::test_fast"),
-            _item("tests/services/test_placement.py::test_fast"),
-        ]
-    )
-    assert groups["tests/core/test_y.py"] == "tests/core/test_y.py"
-    assert groups["tests/rewards/test_sandbox.py"] == "serial"
-    assert groups["tests/services/test_placement.py"] == "serial"
+def test_the_sandbox_and_the_fast_modules_that_start_services_are_serial() -> None:
+    assert serial_module("tests/rewards/test_sandbox.py", "")
+    assert serial_module("tests/services/test_placement.py", "")
+    assert not serial_module("tests/core/test_serde.py", "def test(): pass")
 
 
-def test_the_suite_marks_every_test_with_its_group(request: pytest.FixtureRequest) -> None:
-    group = request.node.get_closest_marker("xdist_group")
-    assert group is not None and group.args == ("tests/test_xdist_groups.py",)
+def test_the_real_tree_puts_the_end_to_end_runs_in_the_serial_unit() -> None:
+    cache: dict[str, str] = {}
+    for nodeid in (
+        "tests/experiment/test_chaos.py::test_faults",
+        "tests/experiment/test_inline_runner.py::test_x",
+        "tests/trainers/megatron/test_gang.py::test_x",
+    ):
+        assert scope_of(nodeid, ROOT, cache) == SERIAL, nodeid
+    assert scope_of("tests/core/test_serde.py::test_x", ROOT, cache) == "tests/core/test_serde.py"
