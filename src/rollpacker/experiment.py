@@ -98,13 +98,20 @@ def ray_address(cfg: ExperimentConfig) -> str:
     else $RAY_ADDRESS, else the local head ``rollpacker up`` recorded ("" when none); a
     ``ServiceError`` when that local head lost its raylet or GCS server (a client would hang)."""
     addr = cfg.services.ray_address or os.environ.get("RAY_ADDRESS", "") or devservices.local_ray_address()
+    check_ray_head(addr)
+    return addr
+
+
+def check_ray_head(addr: str) -> None:
+    """A ``ServiceError`` naming `make up` when ``addr`` is the local Ray head `rollpacker up` started
+    and that head lost its raylet or GCS server (a client's ``ray.init`` there hangs instead of
+    failing); nothing for any other address."""
     if addr and devservices.local_ray_head_broken(addr):
         raise ServiceError(
             f"services.ray_address = {addr!r}: the local Ray head that `rollpacker up` started has lost its "
             "raylet or GCS server (an interrupted run?) and would hang a client; `make up` stops and "
             "restarts it"
         )
-    return addr
 
 
 def preflight(cfg: ExperimentConfig, runner: Runner, arms: Sequence[str] = (), address: str = "") -> None:
@@ -116,7 +123,9 @@ def preflight(cfg: ExperimentConfig, runner: Runner, arms: Sequence[str] = (), a
     open_store(cfg.store).check()
     ExperimentTracker(cfg.tracking_uri, cfg.experiment).check()
     if runner is Runner.KFP:
-        connect_ray(address or ray_address(cfg), cfg.services.namespace)
+        address = address or ray_address(cfg)
+        check_ray_head(address)
+        connect_ray(address, cfg.services.namespace)
         arms = list(arms or cfg.arm_names)
         if any(arm_gpus(cfg, a).total for a in arms):
             one_at_a_time = replace(cfg, services=replace(cfg.services, arms=ArmSchedule.SEQUENTIAL))
