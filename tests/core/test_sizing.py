@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from rollpacker.core.config import load_config
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.sizing import (
     SHIPPED,
@@ -12,8 +13,11 @@ from rollpacker.core.sizing import (
     Volumes,
     check,
     checkpoint_bytes,
+    kept_copy_bytes,
+    layouts_at_once,
     parse_quantity,
     required,
+    shm_refusal,
 )
 
 SEVEN = SHIPPED[0]
@@ -77,3 +81,45 @@ def test_check_names_each_small_volume_and_passes_big_ones() -> None:
 def test_layout_refuses_non_positive_counts(arms: int, keep: int) -> None:
     with pytest.raises(ConfigError, match="must be a positive integer"):
         CheckpointPlan(arms=arms, keep=keep)
+
+
+# --- the collective push's kept copy against the rollout pods' /dev/shm ------------------------------
+
+
+def test_the_kept_copy_is_the_model_in_the_push_dtype() -> None:
+    assert kept_copy_bytes(SEVEN.params, "bfloat16") == 15_231_233_024  # the 15.2 GB of a 7B copy
+    assert kept_copy_bytes(SEVEN.params, "float32") == 2 * kept_copy_bytes(SEVEN.params, "float16")
+    with pytest.raises(ConfigError, match=r"engine\.dtype = 'int8'"):
+        kept_copy_bytes(SEVEN.params, "int8")
+
+
+def test_a_shm_too_small_for_the_kept_copy_is_refused_naming_the_model_the_shm_and_the_fixes() -> None:
+    """The cluster config: 3 layouts (tp 1, 2, 4 of 8 GPUs), one started at a time at 0.9."""
+    assert layouts_at_once(load_config("cluster")) == (3, 1)
+    why = shm_refusal(load_config("cluster", {"services.rollout_shm_gib": 15}), SEVEN.params, SEVEN.name)
+    assert why.startswith(
+        "Qwen2.5-7B: the rollout pods' /dev/shm (services.rollout_shm_gib = 15) is 15 GiB, needs 16 GiB "
+        "for the copy the collective push keeps"
+    ), why
+    for fix in ("larger dshm volume", "services.rollout_shm_gib >= 16", "fewer layouts", "planner.devices"):
+        assert fix in why, fix
+    assert (
+        shm_refusal(load_config("cluster", {"services.rollout_shm_gib": 16}), SEVEN.params, SEVEN.name) == ""
+    )
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"services.rollout_shm_gib": 0},  # not declared (one machine)
+        {"train.weight_sync": "object_store"},  # no copy kept
+        {"engine.gpu_memory_utilization": 0.3},  # floor(1 / 0.3) = 3 layouts stay started
+        {"planner.min_tp": 4, "planner.initial_tp": 4},  # one layout
+        {"planner.devices": 0, "engine.tensor_parallel_size": 1},  # one engine, no layouts
+        {"engine.device": "cpu"},  # every layout stays started
+    ],
+)
+def test_no_refusal_where_no_copy_is_kept(over: dict[str, object]) -> None:
+    cfg = load_config("cluster", {"services.rollout_shm_gib": 1, **over})
+    assert shm_refusal(cfg, SEVEN.params, SEVEN.name) == ""
+    assert shm_refusal(load_config("cluster", {"services.rollout_shm_gib": 1}), SEVEN.params, SEVEN.name)

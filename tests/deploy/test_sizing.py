@@ -1,5 +1,6 @@
 """Checkpoints that fit (core/sizing.py) on the real manifests: the gpu overlay's store, training
-and rollout volumes against the shipped 7B config; the 14B / 32B figures in docs/operations.md."""
+and rollout volumes against the shipped 7B config; the 14B / 32B figures in docs/operations.md;
+the collective push's kept copy against the rollout group's /dev/shm, refused at load when short."""
 
 from __future__ import annotations
 
@@ -10,8 +11,21 @@ from typing import Any
 
 import pytest
 
-from rollpacker.core.config import load_config
-from rollpacker.core.sizing import SHIPPED, CheckpointPlan, Volumes, check, gib, parse_quantity, required
+from rollpacker.core.config import arm_config, load_config
+from rollpacker.core.errors import ConfigError
+from rollpacker.core.sizing import (
+    HEADROOM,
+    SHIPPED,
+    CheckpointPlan,
+    Volumes,
+    check,
+    gib,
+    kept_copy_bytes,
+    parse_quantity,
+    required,
+    shm_refusal,
+)
+from rollpacker.tasks.models import check_model
 
 CACHE_ENV = "ROLLPACKER_CACHE"
 
@@ -29,6 +43,15 @@ def scratch(docs: list[dict[str, Any]], group: str) -> tuple[int, str]:
     [v] = [v for v in spec["volumes"] if v["name"] == m["name"]]
     assert "medium" not in v["emptyDir"], f"{group}: /tmp is memory-backed"
     return parse_quantity(v["emptyDir"]["sizeLimit"]), f"the {group} group's /tmp (emptyDir {v['name']})"
+
+
+def shm(docs: list[dict[str, Any]], group: str) -> int:
+    """The memory-backed emptyDir mounted at /dev/shm in the group's Ray container: its sizeLimit."""
+    spec = _group(docs, group)
+    [m] = [m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    [v] = [v for v in spec["volumes"] if v["name"] == m["name"]]
+    assert v["emptyDir"]["medium"] == "Memory", f"{group}: /dev/shm is not memory-backed"
+    return parse_quantity(v["emptyDir"]["sizeLimit"])
 
 
 def store(docs: list[dict[str, Any]]) -> tuple[int, str]:
@@ -102,3 +125,42 @@ def test_the_operations_doc_gives_the_sizes_the_check_computes(root: Path) -> No
         assert rows[spec.name][3] == gib(need.training_scratch), spec.name
         assert rows[spec.name][4] == gib(need.rollout_scratch), spec.name
         assert re.fullmatch(r"\d+ GiB", rows[spec.name][0]), spec.name
+
+
+def test_the_cluster_config_declares_the_gpu_overlays_rollout_shm(
+    rendered: dict[str, Any], root: Path
+) -> None:
+    cfg = load_config(root / "manifests" / "experiment.yaml")
+    assert cfg.services.rollout_shm_gib * 2**30 == shm(rendered["gpu"], "rollout")
+
+
+@pytest.mark.parametrize("spec", SHIPPED, ids=lambda s: s.name)
+def test_the_shipped_sizes_kept_copy_against_the_gpu_overlays_shm(
+    rendered: dict[str, Any], root: Path, spec: Any
+) -> None:
+    """bf16 copies of 15.2 / 29.5 / 65.5 GB (+10 %) against 64Gi: 7B and 14B fit, 32B is refused."""
+    have = shm(rendered["gpu"], "rollout")
+    cfg = load_config(root / "manifests" / "experiment.yaml", {"services.rollout_shm_gib": have // 2**30})
+    fits = kept_copy_bytes(spec.params, cfg.engine.dtype) * HEADROOM <= have
+    assert fits == (spec.name != "Qwen2.5-32B")
+    why = shm_refusal(cfg, spec.params, spec.name)
+    assert (why == "") == fits, why
+    if not fits:
+        assert why.startswith(
+            f"{spec.name}: the rollout pods' /dev/shm (services.rollout_shm_gib = 64) is 64 GiB"
+        )
+
+
+def test_a_pair_whose_shm_cannot_hold_the_kept_copy_is_refused_at_load(root: Path) -> None:
+    """``submit``'s model check (the model on the cluster's volume, sized by its name): the shipped
+    pair passes, the same config with a planted 8Gi /dev/shm is refused naming the model."""
+    text = (root / "manifests" / "experiment.yaml").read_text()
+    said: list[str] = []
+    check_model(arm_config(text, "sync"), local=False, log=said.append)
+    assert said and "not readable here" in said[0]
+    planted = text.replace("rollout_shm_gib: 64", "rollout_shm_gib: 8")
+    assert planted != text
+    with pytest.raises(
+        ConfigError, match=r"Qwen2.5-7B: the rollout pods' /dev/shm .* is 8 GiB, needs 16 GiB"
+    ):
+        check_model(arm_config(planted, "sync"), local=False)

@@ -854,10 +854,20 @@ class ServicesConfig:
     # the last one ended); disjoint: at once, each arm on its own GPUs (docs/operations.md, "Placement")
     arms: ArmSchedule = ArmSchedule.SEQUENTIAL
     gpus: ClusterGpus = dataclasses.field(default_factory=ClusterGpus)
+    # the rollout pods' /dev/shm in GiB (the memory-backed emptyDir of the manifests' rollout group;
+    # a test keeps the gpu overlay's equal): the collective push's kept copy must fit it
+    # (core/sizing.py, ``shm_refusal``); 0 = not declared (one machine), nothing checked
+    rollout_shm_gib: int = 0
 
     def __post_init__(self) -> None:
         if not self.namespace:
             raise ConfigError("services.namespace: must be a non-empty Ray namespace")
+        v = self.rollout_shm_gib
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ConfigError(
+                f"services.rollout_shm_gib = {v!r}: the rollout pods' /dev/shm in GiB, an integer >= 0 "
+                "(0: not declared)"
+            )
         if not self.call_timeout_s > 0:
             raise ConfigError(f"services.call_timeout_s = {self.call_timeout_s!r}: must be > 0")
 

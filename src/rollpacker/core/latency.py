@@ -88,6 +88,16 @@ def layouts_for(devices: int, max_tp: int | None = None) -> tuple[Layout, ...]:
     return tuple(out)
 
 
+def resident_layouts(device: str, gpu_memory_utilization: float, candidates: int) -> int:
+    """How many layouts a pool keeps started at once. On CPU every candidate (each engine's KV
+    cache is ``engine.kv_cache_gib`` of host memory). On CUDA every layout covers all the pool's
+    GPUs, so each GPU holds one engine per started layout, each taking ``gpu_memory_utilization``
+    of it: floor(1 / utilization) layouts fit (1 at the default 0.9), the others start on demand."""
+    if device != "cuda":
+        return candidates
+    return max(1, min(candidates, math.floor(1 / gpu_memory_utilization + 1e-9)))
+
+
 @dataclass(frozen=True)
 class ProfilePoint:
     batch: int  # requests per replica

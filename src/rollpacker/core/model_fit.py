@@ -10,7 +10,9 @@ Checked (each refusal names the setting and the model's number):
 - every TP the rollout engine may run (``engine.tensor_parallel_size``, or with layouts every
   power of two from ``planner.min_tp`` to ``planner.max_tp``): it divides the attention heads, and
   it divides the KV heads or is a multiple of them (vLLM replicates KV heads over larger TP groups);
-- ``engine.max_model_len`` is at most the model's ``max_position_embeddings`` (vLLM refuses longer).
+- ``engine.max_model_len`` is at most the model's ``max_position_embeddings`` (vLLM refuses longer);
+- the collective push's kept copy fits the rollout pods' ``/dev/shm`` (``core/sizing.py``,
+  ``shm_refusal``; only where ``services.rollout_shm_gib`` declares it).
 
 Invariants (tests/core/test_model_fit.py; purity: tests/core/test_purity.py):
 - pure arithmetic on the config and the shape: the same answer on any machine, no model loaded;
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.memory import ModelShape
+from rollpacker.core.sizing import shm_refusal
 
 
 def split_refusal(shape: ModelShape, tp: int, pp: int, where: str = "train.megatron") -> str:
@@ -81,4 +84,5 @@ def model_refusals(cfg: ExperimentConfig, shape: ModelShape, max_positions: int,
             f"engine.max_model_len = {cfg.engine.max_model_len} exceeds the model's "
             f"max_position_embeddings = {max_positions} ({model}): lower it, or shorten the task"
         )
+    out.append(shm_refusal(cfg, shape.params(), model))
     return [w for w in out if w]

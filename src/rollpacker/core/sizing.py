@@ -1,4 +1,5 @@
-"""Checkpoints that fit: the bytes one step checkpoint takes, against the volumes that hold them.
+"""Checkpoints and copies that fit: the bytes one step checkpoint takes, against the volumes that
+hold them, and the collective push's kept copy against the rollout pod's ``/dev/shm``.
 
 Bytes per parameter of one step checkpoint of the megatron backend (docs/operations.md, "Volumes
 and sizes per model"):
@@ -19,11 +20,19 @@ Where they go (services/trainer.py, services/rollout.py, stages/commit.py):
 
 Every volume must hold its bytes plus ``HEADROOM`` (file-system overhead, logs, the datasets).
 
+And in memory: the rollout pod's ``/dev/shm`` (the memory-backed emptyDir ``dshm``, declared to the
+config as ``services.rollout_shm_gib``) holds the copy the collective push keeps of every pushed
+bucket for the layouts that start later (engines/layout_push.py): the model in the push dtype
+(``engine.dtype``), once, where engines run in layouts (``planner.devices``) on GPUs and not every
+candidate layout stays started (``resident_layouts``: floor(1 / ``engine.gpu_memory_utilization``)).
+
 Invariants:
 - ``required`` grows with parameters, ``keep`` and arms, and never asks less than one checkpoint
   of a volume that holds one;
 - ``check`` returns one message per volume that is too small, naming the volume, what it holds,
   the bytes needed and the bytes it has; an empty list means every volume fits;
+- ``shm_refusal`` refuses exactly the configs that keep a copy the declared ``/dev/shm`` cannot hold
+  (plus ``HEADROOM``), naming the model, the ``/dev/shm`` size and what to change; "" otherwise;
 - ``parse_quantity`` reads Kubernetes quantities (``20Gi``, ``1.5Ti``, ``500G``, ``1e9``) exactly,
   and refuses anything else with a ``ConfigError``.
 """
@@ -35,12 +44,15 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from rollpacker.core.config import _positive_int
+from rollpacker.core.config import ExperimentConfig, _positive_int
 from rollpacker.core.errors import ConfigError
+from rollpacker.core.latency import layouts_for, resident_layouts
 
 DIST_BYTES_PER_PARAM = 14
 HF_BYTES_PER_PARAM = 2
 HEADROOM = Fraction(11, 10)  # 10 % on top of the bytes counted
+# bytes per element of the weights a push moves: the engine's dtype (engine.dtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _SUFFIX = {
     "": 1,
@@ -74,6 +86,11 @@ SHIPPED = (
     ModelSize("Qwen2.5-14B", 14_770_033_664),
     ModelSize("Qwen2.5-32B", 32_763_876_352),
 )
+
+
+def shipped(name: str) -> ModelSize | None:
+    """The shipped size named ``name`` (a model directory's name, e.g. ``Qwen2.5-7B``), or None."""
+    return next((s for s in SHIPPED if s.name == name), None)
 
 
 @dataclass(frozen=True)
@@ -148,6 +165,48 @@ def check(spec: ModelSize, layout: CheckpointPlan, volumes: Volumes) -> list[str
                 f"least {math.ceil(want / 2**30)}Gi"
             )
     return out
+
+
+def layouts_at_once(cfg: ExperimentConfig) -> tuple[int, int]:
+    """The rollout engines' candidate layouts and how many of them stay started at once (0, 0
+    without layouts). GPUs: ``engine.device: cuda``, or ``auto`` with rollout GPUs declared
+    (``services.gpus.rollout``); on CPU every layout stays started."""
+    p = cfg.planner
+    if not p.devices:
+        return 0, 0
+    n = sum(1 for lay in layouts_for(p.devices, p.max_tp) if lay.tp >= p.min_tp)
+    e = cfg.engine
+    gpus = e.device == "cuda" or (e.device == "auto" and cfg.services.gpus.rollout > 0)
+    return n, resident_layouts("cuda" if gpus else "cpu", e.gpu_memory_utilization, n)
+
+
+def kept_copy_bytes(params: int, dtype: str) -> int:
+    """The collective push's kept copy: every parameter in the push dtype."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"engine.dtype = {dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+    return params * DTYPE_BYTES[dtype]
+
+
+def shm_refusal(cfg: ExperimentConfig, params: int, model: str) -> str:
+    """Why the rollout pods' ``/dev/shm`` cannot hold the collective push's kept copy of a model of
+    ``params`` parameters (``model``: its name in the message); "" when it can, when no copy is kept
+    or when ``services.rollout_shm_gib`` is not declared."""
+    shm = cfg.services.rollout_shm_gib
+    candidates, resident = layouts_at_once(cfg)
+    if not shm or cfg.train.weight_sync != "collective" or resident >= candidates:
+        return ""
+    need, have = _with_headroom(kept_copy_bytes(params, cfg.engine.dtype)), shm * 2**30
+    if have >= need:
+        return ""
+    return (
+        f"{model}: the rollout pods' /dev/shm (services.rollout_shm_gib = {shm}) is {gib(have)}, needs "
+        f"{gib(need)} for the copy the collective push keeps for layouts started later ({params:,} "
+        f"parameters in {cfg.engine.dtype}, +10 %; {resident} of {candidates} layouts stay started at "
+        f"engine.gpu_memory_utilization = {cfg.engine.gpu_memory_utilization}): give the rollout group a "
+        f"larger dshm volume (sizeLimit and services.rollout_shm_gib >= {math.ceil(need / 2**30)}), use "
+        "fewer layouts (planner.min_tp..max_tp) or set planner.devices so that every layout stays "
+        "started (or 0: one engine), or train.weight_sync: object_store"
+    )
 
 
 def gib(n: int) -> str:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -64,6 +63,7 @@ from rollpacker.core.latency import (
     SwitchDecision,
     TrajectoryStep,
     choose_layout,
+    resident_layouts,
 )
 from rollpacker.core.scaledown import (
     LengthHistory,
@@ -339,16 +339,6 @@ def _warm_up(lay: Layout, eng: LayoutEngine) -> float:
     while eng.has_unfinished():
         eng.step()
     return time.perf_counter() - t0
-
-
-def resident_layouts(device: str, gpu_memory_utilization: float, candidates: int) -> int:
-    """How many layouts a pool keeps started at once. On CPU every candidate (each engine's KV
-    cache is ``engine.kv_cache_gib`` of host memory). On CUDA every layout covers all the pool's
-    GPUs, so each GPU holds one engine per started layout, each taking ``gpu_memory_utilization``
-    of it: floor(1 / utilization) layouts fit (1 at the default 0.9), the others start on demand."""
-    if device != "cuda":
-        return candidates
-    return max(1, min(candidates, math.floor(1 / gpu_memory_utilization + 1e-9)))
 
 
 GPU_FREE_WAIT_S = 60.0  # a closed engine's processes may take a while to give their GPU memory back

@@ -17,6 +17,7 @@ from rollpacker.core.config import ExperimentConfig
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.memory import ModelShape
 from rollpacker.core.model_fit import model_refusals
+from rollpacker.core.sizing import shipped, shm_refusal
 from rollpacker.core.tasks import TaskExample, split
 from rollpacker.core.types import Prompt
 
@@ -113,6 +114,10 @@ def check_model(
             raise ConfigError(f"{where}: not a Hugging Face model directory here (no config.json)")
         if log is not None:
             log(f"model check: {where} is not readable here; the engine and the trainer check it there")
+        size = shipped(Path(cfg.model.model_dir).name)  # its size from the shipped table, by name
+        why = size and shm_refusal(cfg, size.params, size.name)
+        if why:
+            raise ConfigError(why)
         return
     refusals = model_refusals(cfg, *found)
     if refusals:
