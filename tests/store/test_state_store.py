@@ -49,6 +49,9 @@ class CrashingStore:
     def get_bytes(self, key: str) -> bytes:
         return self.real.get_bytes(key)
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self.real.get_range(key, offset, length)
+
     def exists(self, key: str) -> bool:
         return self.real.exists(key)
 

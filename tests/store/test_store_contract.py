@@ -58,6 +58,20 @@ def test_missing_key_raises_naming_its_uri(store: ObjectStore, prefix: str) -> N
     assert not store.exists(key)
 
 
+def test_get_range_is_the_slice_of_the_object(store: ObjectStore, prefix: str) -> None:
+    data = bytes(range(256)) * 40
+    key = f"{prefix}/blob.bin"
+    store.put_bytes(key, data)
+    for offset, length in ((0, 1), (0, 8), (7, 1000), (256, 256), (len(data) - 3, 3), (len(data) - 3, 10)):
+        assert store.get_range(key, offset, length) == data[offset : offset + length], (offset, length)
+    assert store.get_range(key, len(data), 5) == b""
+    for offset, length in ((-1, 4), (0, 0), (0, -2)):
+        with pytest.raises(StoreError, match=r"range (offset|length)"):
+            store.get_range(key, offset, length)
+    with pytest.raises(StoreError, match=re.escape(f"{store.uri(f'{prefix}/nope')}: no such object")):
+        store.get_range(f"{prefix}/nope", 0, 4)
+
+
 def test_exists_is_true_exactly_for_written_keys(store: ObjectStore, prefix: str) -> None:
     assert not store.exists(f"{prefix}/a")
     store.put_bytes(f"{prefix}/a", b"x")

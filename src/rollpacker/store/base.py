@@ -13,6 +13,10 @@ Contract:
   pointer move relies on this); a later put replaces the object;
 - ``get_bytes`` / ``get_json`` of a missing key raise :class:`StoreError` ``"<uri>: no such object"``;
   ``exists(k)`` is True exactly when ``get_bytes(k)`` would succeed;
+- ``get_range(k, offset, length)`` returns ``get_bytes(k)[offset:offset + length]`` and reads only
+  those bytes from the server (an HTTP range request on S3): fewer where the object ends sooner,
+  ``b""`` from its end on; a negative offset or a length < 1 raises ``StoreError`` before any read;
+  a missing key raises like ``get_bytes``;
 - ``put_json`` / ``get_json`` round-trip JSON values; ``get_json`` of non-JSON raises ``StoreError``
   naming the URI;
 - ``list(prefix)`` returns every key starting with ``prefix`` (a string prefix, recursive), sorted,
@@ -90,6 +94,10 @@ class ObjectStore(Protocol):
         """The object at ``key``; a missing one raises ``StoreError("<uri>: no such object")``."""
         ...
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object at ``key`` from ``offset`` (fewer where it ends sooner)."""
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def put_json(self, key: str, obj: Any) -> str:
@@ -128,6 +136,14 @@ def check_key(key: str) -> None:
     """Refuse a key that is empty, absolute or ends in ``/`` (every adapter)."""
     if not isinstance(key, str) or not key or key.startswith("/") or key.endswith("/"):
         raise StoreError(f"object key {key!r}: use a non-empty relative key like 'exp/arm/state/x.json'")
+
+
+def check_range(uri: str, offset: int, length: int) -> None:
+    """Refuse a byte range no object has (``get_range``'s arguments)."""
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise StoreError(f"{uri}: range offset {offset!r} must be an integer >= 0")
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise StoreError(f"{uri}: range length {length!r} must be an integer >= 1")
 
 
 def check_dir_prefix(prefix: str) -> None:

@@ -35,6 +35,7 @@ from rollpacker.store.base import (
     StoreError,
     check_dir_prefix,
     check_key,
+    check_range,
     download_atomically,
     dump_json,
     load_json,
@@ -124,6 +125,14 @@ class FileStore:
         self._root()
         with self._io(key):
             return path.read_bytes()
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self._path(key)
+        check_range(self.uri(key), offset, length)
+        self._root()
+        with self._io(key), open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(length)
 
     def exists(self, key: str) -> bool:
         path = self._path(key)

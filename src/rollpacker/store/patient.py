@@ -93,6 +93,9 @@ class PatientStore:
     def get_bytes(self, key: str) -> bytes:
         return self._patiently(f"get {key}", lambda: self.inner.get_bytes(key))
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self._patiently(f"get {key}", lambda: self.inner.get_range(key, offset, length))
+
     def exists(self, key: str) -> bool:
         return self._patiently(f"exists {key}", lambda: self.inner.exists(key))
 

@@ -34,6 +34,7 @@ from rollpacker.store.base import (
     StoreUnavailable,
     check_dir_prefix,
     check_key,
+    check_range,
     download_atomically,
     dump_json,
     load_json,
@@ -293,6 +294,24 @@ class S3Store:
             finally:
                 resp.close()
                 resp.release_conn()
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        from minio.error import S3Error
+
+        check_key(key)
+        check_range(self.uri(key), offset, length)
+        try:
+            with self._s3(f"{self.uri(key)}"):
+                resp = self._client.get_object(self.bucket, key, offset=offset, length=length)
+                try:
+                    return bytes(resp.read())
+                finally:
+                    resp.close()
+                    resp.release_conn()
+        except StoreError as e:
+            if isinstance(e.__cause__, S3Error) and e.__cause__.code == "InvalidRange":
+                return b""  # the range starts at or past the object's end
+            raise
 
     def exists(self, key: str) -> bool:
         from minio.error import S3Error

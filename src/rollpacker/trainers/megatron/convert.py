@@ -148,6 +148,21 @@ def _unpack_qkv(qkv: torch.Tensor, lay: Qwen2Layout) -> tuple[torch.Tensor, torc
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def stage_hf_names(lay: Qwen2Layout, pp: int, pp_rank: int) -> list[str]:
+    """The Hugging Face tensors ``to_mcore`` reads for pipeline stage ``pp_rank`` of ``pp`` (what
+    the stage's ranks fetch: ``StoreSource.fetch_stage``), in reading order."""
+    out = ["model.embed_tokens.weight"] if pp_rank == 0 else []
+    for i in lay.stage_layers(pp, pp_rank):
+        h = f"model.layers.{i}."
+        out += [h + "input_layernorm.weight"]
+        out += [f"{h}self_attn.{p}_proj.{kind}" for kind in ("weight", "bias") for p in "qkv"]
+        out += [h + n for n in ("self_attn.o_proj.weight", "post_attention_layernorm.weight")]
+        out += [h + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if pp_rank == pp - 1:
+        out += ["model.norm.weight", "model.embed_tokens.weight" if lay.tied else "lm_head.weight"]
+    return list(dict.fromkeys(out))
+
+
 def to_mcore(
     hf: Mapping[str, torch.Tensor], lay: Qwen2Layout, tp: int, tp_rank: int, pp: int, pp_rank: int
 ) -> dict[str, torch.Tensor]:

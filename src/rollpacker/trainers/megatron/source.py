@@ -5,10 +5,15 @@ its ranks. Each rank opens the store itself, on its own node, with its own node'
 (the variables ``store.access_key_env`` / ``store.secret_key_env`` name, or the local credentials
 file), and fetches what it reads into a scratch directory of its own node:
 
-- a Hugging Face model (``config.json`` and ``*.safetensors``): ``fetch`` downloads the files once
-  per node (ranks of one node share the download), and ``LazyWeights`` reads a tensor from them
-  only when ``to_mcore`` asks for it, so a rank holds only its own stage's tensors, cut to its TP
-  shard, plus one full tensor at a time while it cuts;
+- a Hugging Face model (``config.json`` and ``*.safetensors``): ``fetch_stage`` copies to the node
+  only what one pipeline stage reads (ranks of one node and stage share the copy): every file but
+  the weights (config, tokenizer, the index), and of the weights only the stage's tensors
+  (``convert.stage_hf_names``): the files the index (``model.safetensors.index.json``'s
+  ``weight_map``) places them in, or every ``*.safetensors`` file without an index, each read by
+  byte ranges (``ObjectStore.get_range``: the header, then the runs of wanted tensors) into a
+  smaller safetensors file of only those tensors, bit for bit. ``LazyWeights`` reads a tensor from
+  the copy only when ``to_mcore`` asks for it, so a rank holds only its own stage's tensors, cut
+  to its TP shard, plus one full tensor at a time while it cuts;
 - a ``dist_checkpointing`` checkpoint (``dist/``): downloaded once per node, and every rank reads
   its own shards of it.
 
@@ -19,7 +24,11 @@ on a cluster only where that directory is a shared volume; the S3 store needs no
 Invariants:
 - a rank never reads a path it was handed; it reads the store (``tests/trainers/megatron``:
   ``test_source.py``);
-- ``LazyWeights`` reads exactly the tensors asked for, each once.
+- ``LazyWeights`` reads exactly the tensors asked for, each once;
+- ``fetch_stage`` reads from the store the non-weight files, the headers of the files it looks
+  into and the bytes of the wanted tensors, nothing else; every wanted tensor is in the copy,
+  equal bit for bit to the store's, or it fails naming the missing ones
+  (``tests/trainers/megatron/test_source.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import io
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +50,11 @@ import torch
 from rollpacker.core.config import StoreConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.store import open_store
-from rollpacker.store.base import ObjectStore, cached_download
+from rollpacker.store.base import ObjectStore, cached_download, download_atomically
 
 SCRATCH_PREFIX = "rollpacker-fetch"  # the node scratch directory's name in the node's temp dir
+INDEX = "model.safetensors.index.json"  # a sharded checkpoint's index (``weight_map``: tensor -> file)
+RANGE_BYTES = 64 * 2**20  # the most one ranged read of tensor bytes asks for (and holds in memory)
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,52 @@ class StoreSource:
             fcntl.flock(lock, fcntl.LOCK_EX)
             return cached_download(self.open(), self.uri, root)
 
+    def fetch_stage(self, names: Collection[str]) -> StageCopy:
+        """This node's copy of what one pipeline stage reads: every object under the URI but the
+        weights, and of the ``*.safetensors`` files only the tensors ``names`` (module docstring).
+        The node's first rank of the stage copies it, the others wait on the lock and reuse it."""
+        want = frozenset(names)
+        tag = hashlib.sha256("\n".join(sorted(want)).encode()).hexdigest()[:12]
+        root = scratch_root()
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / f"{self._digest()}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            store = self.open()
+            raw = self.read_bytes(INDEX) if self.exists(INDEX) else None
+            index = self._weight_map(raw)
+            files = {index[n] for n in want if n in index} if index is not None else None
+            got = _Copied()
+
+            def fetch(key: str, target: Path) -> None:
+                if not key.endswith(".safetensors"):
+                    data = raw if raw is not None and key == self.key(INDEX) else store.get_bytes(key)
+                    got.bytes += len(data)
+                    target.write_bytes(data)
+                elif files is None or key.rsplit("/", 1)[-1] in files:
+                    _copy_tensors(store, key, target, want, got)
+
+            dst = download_atomically(store, self.uri, root / f"{self._digest()}-stage-{tag}", fetch)
+            missing = sorted(want - got.names) if got.bytes else []
+            if missing:
+                shutil.rmtree(dst, ignore_errors=True)
+                raise TrainerError(
+                    f"{self.uri}: {len(missing)} tensor(s) a pipeline stage reads are in none of its "
+                    f"safetensors files{' (by ' + INDEX + ')' if index is not None else ''}: {missing[:3]}"
+                )
+            return StageCopy(dst, got.bytes, tuple(sorted(got.files)))
+
+    def _weight_map(self, raw: bytes | None) -> dict[str, str] | None:
+        """The tensor -> file map of a sharded checkpoint's index (``raw``), None without one."""
+        if raw is None:
+            return None
+        try:
+            wm = json.loads(raw).get("weight_map")
+        except (ValueError, AttributeError):
+            wm = None
+        if not isinstance(wm, dict):
+            raise TrainerError(f"{self.uri}: {INDEX} has no weight_map (tensor name -> file)")
+        return {str(k): str(v) for k, v in wm.items()}
+
     def drop(self) -> None:
         """This node's scratch copy removed (after the gang-wide load; missing is no error)."""
         for d in scratch_root().glob(f"{self._digest()}-*"):
@@ -110,6 +167,66 @@ class StoreSource:
         """``cached_download``'s key of this URI (one spelling per prefix)."""
         store = self.open()
         return hashlib.sha256(store.uri(store.key_of(self.uri).strip("/")).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class StageCopy:
+    """A stage's copy on this node: where it is, the bytes this call read from the store (0 when
+    the node's copy was reused) and the safetensors files it cut (``key`` names in the store)."""
+
+    path: Path
+    fetched_bytes: int
+    files: tuple[str, ...]
+
+
+class _Copied:
+    """What one ``fetch_stage`` read: bytes, the tensors found, the weight files looked into."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.names: set[str] = set()
+        self.files: set[str] = set()
+
+
+def _copy_tensors(store: ObjectStore, key: str, target: Path, want: frozenset[str], got: _Copied) -> None:
+    """The tensors of safetensors object ``key`` that are in ``want``, read by byte ranges into a
+    safetensors file ``target`` of only those (none wanted: no file)."""
+    n = int.from_bytes(store.get_range(key, 0, 8), "little")
+    header = json.loads(store.get_range(key, 8, n))
+    got.bytes += 8 + n
+    got.files.add(key)
+    meta = header.pop("__metadata__", None)
+    keep = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items() if k in want)
+    if not keep:
+        return
+    out: dict[str, Any] = {"__metadata__": meta} if meta is not None else {}
+    at = 0
+    for start, end, k in keep:
+        out[k] = {**header[k], "data_offsets": [at, at + end - start]}
+        at += end - start
+    blob = json.dumps(out, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the header padded to 8 bytes, as safetensors writes it
+    with open(target, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob)
+        for lo, hi in _runs((start, end) for start, end, _ in keep):
+            for pos in range(lo, hi, RANGE_BYTES):
+                data = store.get_range(key, 8 + n + pos, min(RANGE_BYTES, hi - pos))
+                if len(data) != min(RANGE_BYTES, hi - pos):
+                    raise TrainerError(f"{store.uri(key)}: ends before its tensors do (a truncated upload?)")
+                got.bytes += len(data)
+                f.write(data)
+    got.names.update(k for _, _, k in keep)
+
+
+def _runs(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted byte ranges merged where one ends where the next begins (one read per run)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def scratch_root() -> Path:

@@ -37,7 +37,7 @@ from rollpacker.core.config import StoreConfig, TrainerConfig
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.stream_math import LossNorm
-from rollpacker.trainers.megatron.convert import Qwen2Layout, gather_tp, to_hf, to_mcore
+from rollpacker.trainers.megatron.convert import Qwen2Layout, gather_tp, stage_hf_names, to_hf, to_mcore
 from rollpacker.trainers.megatron.source import LazyWeights, StoreSource
 from rollpacker.trainers.objectives import get_objective
 from rollpacker.trainers.torch_trainer import TorchTrainer, _micro_batches, _pad
@@ -228,9 +228,10 @@ class RankWorker:
 
     def load_source(self, src: StoreSource) -> list[str]:
         """Collective over the gang: this rank's shard of the Hugging Face model at ``src``, read
-        tensor by tensor from its node's copy (``source.py``); the copy is removed once every rank
-        has loaded. Returns the names of the HF tensors this rank read."""
-        weights = LazyWeights(src.fetch())
+        tensor by tensor from its node's copy of its pipeline stage's tensors (``source.py``,
+        ``fetch_stage``); the copy is removed once every rank has loaded. Returns the names of
+        the HF tensors this rank read."""
+        weights = LazyWeights(src.fetch_stage(stage_hf_names(self.layout, self.spec.pp, self.pp_rank)).path)
         try:
             self.load_hf(weights)
         finally:
