@@ -21,6 +21,11 @@ Off-policy degree (``policy_lag``): the token-weighted mean of ``v_train - v_tok
 response tokens, where ``v_token`` is the policy version that sampled the token (resumed tokens keep
 theirs) and ``v_train`` the version of the weights the update is computed from.
 - response-length statistics are over the trained responses only.
+
+Acceptance per draft position (``acceptance_by_position``): at position ``i`` (1 = the first drafted
+token) the drafts whose tokens ``1..i`` were all accepted over the drafts that reached position
+``i``, as vLLM counts them; so it is the chance a draft survives to ``i``, never above position
+``i - 1``'s when every draft has the same length. Positions nothing was drafted at are 0.
 """
 
 from __future__ import annotations
@@ -85,13 +90,20 @@ class RolloutMetrics:
     spec_accepted_tokens: int = 0
     spec_draft_s: float = 0.0  # seconds spent drafting
     tokens_trained: int = 0  # tokens of the trained responses, resumed ones included
+    spec_draft_tokens_per_pos: tuple[int, ...] = ()  # drafts that reached each draft position
+    spec_accepted_tokens_per_pos: tuple[int, ...] = ()  # drafts accepted up to each position
 
     @property
     def spec_acceptance(self) -> float:
         """The share of drafted tokens the target model accepted (0 when nothing was drafted)."""
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    @property
+    def spec_acceptance_by_position(self) -> tuple[float, ...]:
+        """Acceptance at draft positions 1, 2, ... (the module docstring)."""
+        return acceptance_by_position(self.spec_draft_tokens_per_pos, self.spec_accepted_tokens_per_pos)
+
+    def as_dict(self) -> dict[str, float | int | str | tuple[int, ...]]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
     def logged(self, long_queue_size: int) -> dict[str, float]:
@@ -119,6 +131,10 @@ class RolloutMetrics:
                 self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
             ),
             "rollout/spec_draft_s": self.spec_draft_s,
+            **{
+                f"rollout/spec_acceptance_pos{i}": a
+                for i, a in enumerate(self.spec_acceptance_by_position, start=1)
+            },
         }
 
 
@@ -203,6 +219,28 @@ def policy_lag(token_versions: Iterable[Sequence[int]], train_version: int) -> P
     return PolicyLag(lag_sum / total, worst, off / total, total)
 
 
+def sum_per_position(rows: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """Element-wise sum of per-position counts of different lengths (missing positions count 0)."""
+    out: list[int] = []
+    for row in rows:
+        if len(row) > len(out):
+            out.extend([0] * (len(row) - len(out)))
+        for i, n in enumerate(row):
+            out[i] += n
+    return tuple(out)
+
+
+def acceptance_by_position(drafted: Sequence[int], accepted: Sequence[int]) -> tuple[float, ...]:
+    """Accepted over drafted at each draft position (0 where nothing was drafted)."""
+    if len(accepted) > len(drafted):
+        raise ValueError(f"accepted counts for {len(accepted)} positions, drafted for only {len(drafted)}")
+    padded = [*accepted, *([0] * (len(drafted) - len(accepted)))]
+    for i, (d, a) in enumerate(zip(drafted, padded, strict=True), start=1):
+        if not 0 <= a <= d:
+            raise ValueError(f"draft position {i}: {a} accepted of {d} drafted")
+    return tuple(a / d if d else 0.0 for d, a in zip(drafted, padded, strict=True))
+
+
 def rollout_metrics(
     result: RoundResult,
     steps: Sequence[EngineStepStats],
@@ -247,4 +285,6 @@ def rollout_metrics(
         spec_accepted_tokens=sum(s.spec_accepted_tokens for s in steps),
         spec_draft_s=sum(s.spec_draft_s for s in steps),
         tokens_trained=sum(lens),
+        spec_draft_tokens_per_pos=sum_per_position(s.spec_draft_tokens_per_pos for s in steps),
+        spec_accepted_tokens_per_pos=sum_per_position(s.spec_accepted_tokens_per_pos for s in steps),
     )

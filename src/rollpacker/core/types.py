@@ -215,6 +215,10 @@ class EngineStepStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_draft_s: float = 0.0
+    # per draft position (index 0 = the first drafted token): drafts that reached the position, and
+    # drafts whose tokens up to and including it were all accepted (vLLM's SpecDecodingStats)
+    spec_draft_tokens_per_pos: tuple[int, ...] = ()
+    spec_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

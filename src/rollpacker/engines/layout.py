@@ -65,6 +65,7 @@ from rollpacker.core.latency import (
     choose_layout,
     resident_layouts,
 )
+from rollpacker.core.metrics import sum_per_position
 from rollpacker.core.scaledown import (
     LengthHistory,
     Replica,
@@ -278,6 +279,8 @@ class LayoutEngine:
             spec_draft_tokens=sum(s.spec_draft_tokens for s in stats),
             spec_accepted_tokens=sum(s.spec_accepted_tokens for s in stats),
             spec_draft_s=sum(s.spec_draft_s for s in stats),
+            spec_draft_tokens_per_pos=sum_per_position(s.spec_draft_tokens_per_pos for s in stats),
+            spec_accepted_tokens_per_pos=sum_per_position(s.spec_accepted_tokens_per_pos for s in stats),
         )
 
     def has_unfinished(self) -> bool:

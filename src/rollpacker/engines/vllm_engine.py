@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from rollpacker.core.config import EngineConfig
 from rollpacker.core.drafts import StepCurve
 from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import EngineError
+from rollpacker.core.metrics import sum_per_position
 from rollpacker.core.types import (
     EngineStepStats,
     FinishReason,
@@ -88,6 +90,16 @@ def check_model_dir(model_dir: str) -> Path:
     return p
 
 
+@dataclass(frozen=True)
+class SpecCounts:
+    """Drafted and accepted tokens over some engine steps, in all and per draft position."""
+
+    drafted: int
+    accepted: int
+    drafted_per_pos: tuple[int, ...]
+    accepted_per_pos: tuple[int, ...]
+
+
 class _StatsCollector:
     """Receives vLLM's per-step scheduler/iteration stats (a ``StatLoggerBase``)."""
 
@@ -98,6 +110,8 @@ class _StatsCollector:
         self.preemptions = 0
         self.spec_draft_tokens = 0  # since the last take_spec()
         self.spec_accepted_tokens = 0
+        self.spec_draft_per_pos: tuple[int, ...] = ()  # per draft position, since the last take_spec()
+        self.spec_accepted_per_pos: tuple[int, ...] = ()
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         if scheduler_stats is not None:
@@ -108,13 +122,25 @@ class _StatsCollector:
             if spec is not None:
                 self.spec_draft_tokens += int(spec.num_draft_tokens)
                 self.spec_accepted_tokens += int(spec.num_accepted_tokens)
+                self.spec_draft_per_pos = sum_per_position(
+                    (self.spec_draft_per_pos, [int(n) for n in spec.num_draft_tokens_per_pos])
+                )
+                self.spec_accepted_per_pos = sum_per_position(
+                    (self.spec_accepted_per_pos, [int(n) for n in spec.num_accepted_tokens_per_pos])
+                )
         if iteration_stats is not None:
             self.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
 
-    def take_spec(self) -> tuple[int, int]:
-        """(drafted, accepted) tokens verified since the last call."""
-        out = (self.spec_draft_tokens, self.spec_accepted_tokens)
+    def take_spec(self) -> SpecCounts:
+        """Drafted and accepted tokens verified since the last call, in all and per draft position."""
+        out = SpecCounts(
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+            self.spec_draft_per_pos,
+            self.spec_accepted_per_pos,
+        )
         self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.spec_draft_per_pos = self.spec_accepted_per_pos = ()
         return out
 
 
@@ -490,7 +516,7 @@ class VLLMEngine:
                 )
             )
         c = self._collector
-        drafted, accepted = c.take_spec()
+        spec = c.take_spec()
         draft_s = 0.0
         if self._proposer is not None:
             draft_s = self._proposer.stats.propose_s - self._draft_s
@@ -503,9 +529,11 @@ class VLLMEngine:
             num_preemptions_total=c.preemptions,
             kv_cache_usage=c.kv_cache_usage,
             new_tokens=sum(len(u.new_token_ids) for u in updates),
-            spec_draft_tokens=drafted,
-            spec_accepted_tokens=accepted,
+            spec_draft_tokens=spec.drafted,
+            spec_accepted_tokens=spec.accepted,
             spec_draft_s=draft_s,
+            spec_draft_tokens_per_pos=spec.drafted_per_pos,
+            spec_accepted_tokens_per_pos=spec.accepted_per_pos,
         )
         return updates, stats
 

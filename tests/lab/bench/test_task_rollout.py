@@ -12,10 +12,12 @@ from rollpacker.core.drafts import expected_tokens
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.types import EngineStepStats, Prompt
 from rollpacker.engines.fake import FakeEngine
-from rollpacker.lab.bench.replay import PolicyRun
+from rollpacker.lab.bench.replay import PolicyRun, SampledResponse
 from rollpacker.lab.bench.tables import MAX_COLUMNS
 from rollpacker.lab.bench.task_rollout import (
+    TaskBenchOptions,
     gpu_estimate,
+    lossless_check,
     render,
     run_arms,
     spec_stats,
@@ -88,7 +90,7 @@ def _prompts(n: int) -> list[Prompt]:
 def test_the_arms_run_on_the_same_prompts_and_the_report_explains_itself() -> None:
     cfg = config_from_text(CFG)
     engines = {"plain": FakeEngine(concurrency=64, stop_prob=1 / 24), "spec": FakeEngine(concurrency=64)}
-    report = run_arms(cfg, _prompts(80), engines, periods=1, max_steps=10, tail_batch=4)
+    report = run_arms(cfg, _prompts(80), engines, TaskBenchOptions(periods=1, max_steps=10, tail_batch=4))
     arms = report["arms"]
     assert list(arms) == ["sync", "tail_batching", "tail_batching+spec", "partial+spec"]
     tb = arms["tail_batching"]
@@ -108,9 +110,13 @@ def test_the_arms_run_on_the_same_prompts_and_the_report_explains_itself() -> No
 
 def test_the_spec_arms_need_an_engine_that_drafts() -> None:
     with pytest.raises(ConfigError, match="engines\\['spec'\\]"):
-        run_arms(config_from_text(CFG), _prompts(40), {"plain": FakeEngine()}, arms="partial+spec")
-    with pytest.raises(ConfigError, match="periods 0"):
-        run_arms(config_from_text(CFG), _prompts(40), {"plain": FakeEngine()}, arms="sync", periods=0)
+        run_arms(
+            config_from_text(CFG), _prompts(40), {"plain": FakeEngine()}, TaskBenchOptions(("partial+spec",))
+        )
+    with pytest.raises(ConfigError, match=r"periods 0.*each must be >= 1"):
+        TaskBenchOptions(("sync",), periods=0)
+    with pytest.raises(ConfigError, match=r"repeats 0.*each must be >= 1"):
+        TaskBenchOptions(("sync",), repeats=0)
 
 
 def test_acceptance_by_source_counts_the_arm_only() -> None:
@@ -123,3 +129,77 @@ def test_acceptance_by_source_counts_the_arm_only() -> None:
         "siblings": {"drafted": 20.0, "accepted": 10.0, "acceptance": 0.5},
         "history": {"drafted": 8.0, "accepted": 6.0, "acceptance": 0.75},
     }  # ngram drafted nothing in between: left out
+
+
+def _two_engine_report(spec_engine: FakeEngine, repeats: int = 2) -> dict:
+    engines = {"plain": FakeEngine(concurrency=64, stop_prob=1 / 24), "spec": spec_engine}
+    opts = TaskBenchOptions(("tail_batching+spec",), periods=1, max_steps=10, tail_batch=4, repeats=repeats)
+    return run_arms(config_from_text(CFG), _prompts(80), engines, opts)
+
+
+def test_repeats_run_in_abba_order_and_the_ratios_are_paired_per_repeat() -> None:
+    # the same tokens (the simulator's tokens depend on the context only), a faster engine
+    report = _two_engine_report(FakeEngine(concurrency=64, stop_prob=1 / 24, base_s=0.0025), repeats=3)
+    tb, spec = "tail_batching", "tail_batching+spec"
+    assert report["settings"]["order"] == [[tb, spec, "sync"], [spec, tb, "sync"], [tb, spec, "sync"]]
+    runs = report["runs"]
+    assert [r["arm"] for r in runs] == [tb, spec, "sync", spec, tb, "sync", tb, spec, "sync"]
+    assert all(len(r["load_avg_before"]) == 3 and len(r["load_avg_after"]) == 3 for r in runs)
+    per = {(r["repeat"], r["arm"]): r for r in runs}
+    s_tb = [per[(i, tb)]["rollout_s_per_step"] for i in range(3)]
+    s_spec = [per[(i, spec)]["rollout_s_per_step"] for i in range(3)]
+    assert report["arms"][tb]["repeats"]["rollout_s_per_step"]["values"] == s_tb
+    pair = report["paired"][f"{spec} vs {tb}"]
+    assert pair["speedup_s_per_step"]["per_repeat"] == pytest.approx(
+        [a / b for a, b in zip(s_tb, s_spec, strict=True)]
+    )
+    assert pair["speedup_s_per_step"]["median"] > 1.5  # base_s halved: the speculative arm's steps are faster
+    t_tb = [per[(i, tb)]["tail_tokens_per_s"] for i in range(3)]
+    t_spec = [per[(i, spec)]["tail_tokens_per_s"] for i in range(3)]
+    assert pair["tail_tokens_per_s_ratio"]["per_repeat"] == pytest.approx(
+        [a / b for a, b in zip(t_spec, t_tb, strict=True)]
+    )
+    assert report["arms"][tb]["steps"] == sum(per[(i, tb)]["steps"] for i in range(3))  # pooled
+    assert report["trained_prompts_identical"]
+    assert report["lossless"]["same"] and report["lossless"]["prompts"] > 0
+    text = render(report)
+    assert "3 repeat(s)" in text and "paired per repeat" in text and "same distribution" in text
+    assert max(len(line) for line in text.splitlines()) <= MAX_COLUMNS
+
+
+def test_the_lossless_check_catches_arms_that_sample_differently() -> None:
+    report = _two_engine_report(FakeEngine(concurrency=64, stop_prob=1 / 6), repeats=1)
+    assert report["lossless"]["same"] is False
+    assert "DIFFERENT distributions" in render(report)
+
+
+def _resp(step: int, pid: str, head: tuple[int, ...], natural: bool = True) -> SampledResponse:
+    return SampledResponse(step, pid, len(head), natural, head)
+
+
+def test_the_lossless_check_compares_first_launches_up_to_the_first_abort() -> None:
+    def run(aborted_len: int, long_token: int) -> PolicyRun:
+        r = PolicyRun(policy="x")
+        r.responses = [_resp(0, f"p{i}", (i % 7 + 1, 2, 3, 4, 5, 6)) for i in range(40)]
+        r.responses.append(_resp(0, "p0", (1, 2, 3, 9, 9, 9)[:aborted_len], natural=False))
+        # a long round (step 1) relaunches a deferred prompt: not its first launch, left out
+        r.responses += [_resp(1, "p1", (long_token,) * 6) for _ in range(20)]
+        return r
+
+    got = lossless_check([run(5, 11)], [run(4, 12)])
+    assert got["positions"] == 4  # the shortest aborted response: 4 tokens
+    assert got["responses"] == [41, 41] and got["prompts"] == 40
+    assert got["same"]
+    assert lossless_check([run(5, 11)], []) == {"skipped": "the arms launched no prompt in common"}
+
+
+def test_the_command_refuses_bad_repeats_before_any_slow_work(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from rollpacker.cli import app
+
+    out = tmp_path / "r.json"
+    res = CliRunner().invoke(app, ["lab", "bench", "rollout-task", "--repeats", "0", "--out", str(out)])
+    assert res.exit_code == 2, res.output
+    assert "repeats 0" in res.output and "each must be >= 1" in res.output
+    assert not out.exists()

