@@ -207,6 +207,18 @@ def test_writable_file_and_dir(tmp_path: Path) -> None:
         writable_file("/proc/nope/r.json")
 
 
+def test_writable_dir_without_making_it_checks_and_creates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b"
+    assert writable_dir(out, make=False) == out
+    assert list(tmp_path.iterdir()) == []  # neither the directory nor a probe
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        writable_dir(tmp_path / "file" / "sub", make=False)
+    with pytest.raises(ConfigError, match=r"^--out /proc/nope/x: cannot write there"):
+        writable_dir("/proc/nope/x", make=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 # --- help ----------------------------------------------------------------------------------------
 
 

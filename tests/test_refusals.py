@@ -1,7 +1,8 @@
-"""Every config refusal fires before slow work: `train`, `run`, `bench learning` and `submit` with
-a mistaken setting fail at load time, in seconds, on an empty model cache and with no services,
-and leave nothing behind (no warm-up, no store, no MLflow file, no log, no engine, Ray or torch
-loaded), so the corrected command in the same directory just runs. The machine is checked too: a
+"""Every config refusal fires before slow work: `train`, `run`, `bench learning`, `submit` and the
+lab's benches that start engines or trainers, with a mistaken setting, fail at load time, in
+seconds, on an empty model cache and with no services, and leave nothing behind (no warm-up, no
+store, no MLflow file, no log, no output directory, no engine, Ray or torch loaded), so the
+corrected command in the same directory just runs. The machine is checked too: a
 cuda engine, trainer or layout where no GPU (or too few) is visible."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from rollpacker.core.config import SHIPPED_CONFIGS
 MEGATRON = ["--set", "train.backend=megatron"]
 TP3 = [*MEGATRON, "--set", "train.megatron.tp=3"]
 HEADS = "does not divide the model's 4 attention heads"
+CUDA = ["--set", "engine.device=cuda"]
+CUDA_ENGINE = "engine.device: cuda: the rollout engine runs on GPUs but this machine shows no GPU"
 CASES: list[tuple[str, list[str], str]] = [
     ("tp vs heads", ["train", *TP3], f"train.megatron.tp = 3 {HEADS}"),
     (
@@ -102,10 +105,56 @@ CASES: list[tuple[str, list[str], str]] = [
         ["submit", "--host", "http://127.0.0.1:{port}", "--config", "{megatron_yaml}"],
         f"tp = 3 {HEADS}",
     ),
+    # the lab's benches that start engines or trainers: the machine before any warm-up or output
+    (
+        "lab bench learning on cuda",
+        ["lab", "bench", "learning", "--arms", "sync,dapo", "--seeds", "0", "--set", "train.device=cuda"],
+        "train.device = cuda: this machine shows no GPU",
+    ),
+    (  # its second arm's setting: refused before the first arm trains
+        "lab bench learning, a later arm",
+        [
+            "lab",
+            "bench",
+            "learning",
+            "--arms",
+            "sync,dapo",
+            "--seeds",
+            "0",
+            "--set",
+            "rollout.max_tokens=100",
+        ],
+        "train.overlong_buffer = 128: must be smaller than rollout.max_tokens = 100",
+    ),
+    ("lab bench scaledown on cuda", ["lab", "bench", "scaledown", "--config", "{cuda_yaml}"], CUDA_ENGINE),
+    (
+        "lab bench speculation on cuda",
+        ["lab", "bench", "speculation", "--set", "engine.device=cuda"],
+        CUDA_ENGINE,
+    ),
+    (
+        "lab bench speculation tp > GPUs",
+        ["lab", "bench", "speculation", *CUDA, "--set", "engine.tensor_parallel_size=4"],
+        "engine.tensor_parallel_size = 4 with engine.device: cuda: it needs 4 GPUs but this machine shows 2",
+    ),
+    ("lab bench rollout-task on cuda", ["lab", "bench", "rollout-task", *CUDA], CUDA_ENGINE),
+    (
+        "lab bench rollout-replay on cuda",
+        ["lab", "bench", "rollout-replay", "--out", "replay.json"],
+        "engine.device: auto (the installed vLLM's): the rollout engine runs on GPUs",
+    ),
+    ("lab bench planner on cuda", ["lab", "bench", "planner", "--config", "{cuda_yaml}"], CUDA_ENGINE),
+    ("lab profile on cuda", ["lab", "profile", "--config", "{cuda_yaml}"], CUDA_ENGINE),
 ]
 
-# CUDA_VISIBLE_DEVICES per case (every other case: "", no GPU, whatever the machine has)
-MACHINE = {"engine tp > GPUs": "0,1", "layouts > GPUs": "0"}
+# the environment per case (every other case: CUDA_VISIBLE_DEVICES="", no GPU, whatever the
+# machine has, and vLLM's device the installed package's)
+MACHINE: dict[str, dict[str, str]] = {
+    "engine tp > GPUs": {"CUDA_VISIBLE_DEVICES": "0,1"},
+    "layouts > GPUs": {"CUDA_VISIBLE_DEVICES": "0"},
+    "lab bench speculation tp > GPUs": {"CUDA_VISIBLE_DEVICES": "0,1"},
+    "lab bench rollout-replay on cuda": {"ROLLPACKER_VLLM_DEVICE": "cuda"},  # a CUDA vLLM, no GPU
+}
 
 # one interpreter walks every case (CliRunner); a case still running after LIMIT_S has reached slow
 # work: it is stopped there (SIGALRM) and reported, and the walk stops
@@ -124,7 +173,8 @@ port = kfp.getsockname()[1]
 out = []
 for name, args, _ in cases:
     args = [a.replace("{port}", str(port)) for a in args]
-    os.environ["CUDA_VISIBLE_DEVICES"] = machine.get(name, "")
+    os.environ.pop("ROLLPACKER_VLLM_DEVICE", None)
+    os.environ.update({"CUDA_VISIBLE_DEVICES": "", **machine.get(name, {})})
     t0 = time.perf_counter()
     signal.alarm(limit)
     res = CliRunner().invoke(app, args)
@@ -186,7 +236,7 @@ def test_every_refusal_fires_before_slow_work(tmp_path: Path) -> None:
     assert len(report["cases"]) == len(cases)
     assert report["heavy"] == []  # no engine, trainer, Ray or model was loaded
     assert not cache.exists() and not services.exists()  # nothing warmed up, no service started
-    # no store, no MLflow file, no output, no log (`run` opens its log after the checks); `submit`
-    # makes its (empty) output directory first
-    left = sorted(str(p.relative_to(work)) for p in work.rglob("*") if p.is_file())
+    # no store, no MLflow file, no output, no log (`run` opens its log after the checks), not even
+    # an empty directory (`submit`'s and the benches' output directories are made after the checks)
+    left = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
     assert left == [], left

@@ -327,11 +327,12 @@ class TrainSummary:
 
 
 def train_config(
-    config_path: Path, overrides: dict[str, Any] | None = None, run_name: str = ""
+    config_path: Path, overrides: dict[str, Any] | None = None, run_name: str = "", make_store: bool = True
 ) -> tuple[str, ExperimentConfig]:
     """The config text and config of a single-arm training run: the arm is ``rollout.policy``
     (with ``rollout.one_off``) named ``run_name`` (default ``<policy>[-one-off]-seed<seed>``); the
-    state goes to ``<out_dir>/store`` when the config names no store."""
+    state goes to ``<out_dir>/store`` when the config names no store (made here unless
+    ``make_store`` is False: a command that checks several runs before any makes nothing)."""
     import yaml
 
     config_path = resolve_config(config_path)
@@ -353,7 +354,7 @@ def train_config(
     cfg = config_from_text(text, where=f"{config_path} (as one training arm)")
     check_model(cfg)  # the model-dependent checks, before any warm-up, engine or store work
     check_machine(cfg)  # its engine and trainer run on this machine
-    if cfg.store.endpoint == f"file://{root}":
+    if make_store and cfg.store.endpoint == f"file://{root}":
         root.mkdir(parents=True, exist_ok=True)  # only for a config that passed every check
     return text, cfg
 

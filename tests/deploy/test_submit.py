@@ -247,6 +247,36 @@ def test_cli_submit(kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Pat
     assert res.exit_code != 0 and "--host" in res.output
 
 
+def test_a_refused_submit_leaves_no_output_directory(
+    kfp_server: tuple[FakeKFP, str], config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake, url = kfp_server
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)  # the default --out is build/ here
+    runner = CliRunner()
+    closed = f"http://127.0.0.1:{_closed_port()}"
+    refused = [
+        (["--host", closed, "--config", str(config)], "nothing answers"),  # the KFP API's check
+        (["--host", url, "--config", str(config), "--set", "rollout.max_tokens=-1"], "rollout.max_tokens"),
+        (["--host", url, "--config", str(config), "--arm", "sorted"], "--arm"),
+        (["--host", url, "--config", str(config), "--arm", "sorted", "--out", "out/deep"], "--arm"),
+    ]
+    for args, said in refused:
+        res = runner.invoke(app, ["submit", *args])
+        assert res.exit_code == 2 and said in res.output, (args, res.output)
+        assert list(work.iterdir()) == [], (args, list(work.rglob("*")))
+    (work / "afile").write_text("x")
+    res = runner.invoke(app, ["submit", "--host", url, "--config", str(config), "--out", "afile/sub"])
+    assert res.exit_code == 2 and "--out" in res.output and "is a file" in res.output, res.output
+    assert fake.requests == [] and [p.name for p in work.iterdir()] == ["afile"]
+    res = runner.invoke(
+        app, ["submit", "--host", url, "--config", str(config), "--steps", "1", "--arm", "sync"]
+    )
+    assert res.exit_code == 0, res.output
+    assert (work / "build" / "rl_experiment.yaml").is_file()  # made once every check passed
+
+
 def test_disjoint_arms_start_at_once(kfp_server: tuple[FakeKFP, str], tmp_path: Path) -> None:
     fake, url = kfp_server
     path = tmp_path / "disjoint.yaml"

@@ -137,18 +137,9 @@ SWAPPED = pytest.mark.skipif(
 )
 
 
-# Out of the gate for now: it passed on its own branch and failed once the model preparation moved
-# out of the plan stage into the runner (the integration of issue 38's item 4); issue 37 tracks it.
-# ROLLPACKER_TEST_INTERRUPTS=one runs it.
-INTEGRATING = pytest.mark.skipif(
-    os.environ.get(ALL_ENV) not in ("one", "all"),
-    reason=f"failed after the model preparation left the plan stage (issue 37); {ALL_ENV}=one runs it",
-)
-
-
 @pytest.mark.parametrize(
     "first",
-    [pytest.param(signal.SIGINT, marks=INTEGRATING), pytest.param(signal.SIGKILL, marks=SWAPPED)],
+    [signal.SIGINT, pytest.param(signal.SIGKILL, marks=SWAPPED)],
     ids=lambda s: f"from-{s.name}",
 )
 def test_run_interrupted_anywhere_continues_and_finishes(

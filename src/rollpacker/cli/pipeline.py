@@ -81,7 +81,7 @@ def submit_cmd(
         pipeline_name=pipeline_name,
         namespace=namespace,
         service_account=service_account,
-        out_dir=writable_dir(out),
+        out_dir=writable_dir(out, make=False),  # made by the compile: a refused submit leaves none
         token=os.environ.get("KFP_TOKEN", ""),
         log=typer.echo,
     )

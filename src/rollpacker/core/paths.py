@@ -2,7 +2,8 @@
 then lose its result to a path it cannot write.
 
 ``writable_file`` and ``writable_dir`` create the missing parent directories (they would be
-created by the write anyway), then probe the target directory by creating and removing a
+created by the write anyway; ``writable_dir(..., make=False)`` creates nothing and probes the
+nearest existing directory), then probe the target directory by creating and removing a
 uniquely named empty file in it: the only test that holds for every file system and every user
 (``os.access`` says yes to root on a read-only mount or in ``/proc``). A failure raises
 ``ConfigError`` naming the option, the absolute path, the cause and what to do.
@@ -45,10 +46,18 @@ def writable_file(path: str | os.PathLike[str], what: str = "--out") -> Path:
     return p
 
 
-def writable_dir(path: str | os.PathLike[str], what: str = "--out") -> Path:
-    """``path`` as an absolute path, once it is a directory that takes new files (made if missing)."""
+def writable_dir(path: str | os.PathLike[str], what: str = "--out", make: bool = True) -> Path:
+    """``path`` as an absolute path, once it is a directory that takes new files (made if missing).
+    ``make=False``: only once it could be made and take them: nothing is created (the command
+    makes it after its other checks, so a refused command leaves no empty directory)."""
     p = Path(path).expanduser().absolute()
     if p.exists() and not p.is_dir():
         raise _cannot(what, p, "it is a file, not a directory")
-    _probe_dir(what, p, p)
+    if make:
+        _probe_dir(what, p, p)
+        return p
+    nearest = next(d for d in (p, *p.parents) if d.exists())
+    if not nearest.is_dir():
+        raise _cannot(what, p, f"{nearest} or a directory above it is a file")
+    _probe_dir(what, nearest, p)  # an existing directory: the probe file is removed, nothing is made
     return p

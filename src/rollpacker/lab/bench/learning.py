@@ -101,16 +101,28 @@ def learning_arms(text: str) -> list[str]:
     return names
 
 
+def check_learning(config: Path, overrides: dict[str, Any], arms: list[str], seeds: list[int]) -> None:
+    """Every (arm, seed)'s training config checked (the config, the model, this machine) before any
+    trains or anything is made: a refusal of the last one costs no training of the first."""
+    for arm in arms:
+        for seed in seeds:
+            train_config(config, _overrides(overrides, arm, seed), f"{arm}-seed{seed}", make_store=False)
+
+
+def _overrides(overrides: dict[str, Any], arm: str, seed: int) -> dict[str, Any]:
+    return {**overrides, **ARMS[arm], "seed": seed}
+
+
 def run_learning(
     config: Path, overrides: dict[str, Any], arms: list[str], seeds: list[int], progress: bool = True
 ) -> dict[str, Any]:
-    """Every (arm, seed) from a fresh start; the report (JSON-able)."""
+    """Every (arm, seed) from a fresh start (each checked first: ``check_learning``); the report
+    (JSON-able)."""
+    check_learning(config, overrides, arms, seeds)
     runs = []
     for arm in arms:
         for seed in seeds:
-            text, _ = train_config(
-                config, {**overrides, **ARMS[arm], "seed": seed}, run_name=f"{arm}-seed{seed}"
-            )
+            text, _ = train_config(config, _overrides(overrides, arm, seed), run_name=f"{arm}-seed{seed}")
             runs.append(_arm_record(arm, seed, train_arm(text, fresh=True, progress=progress)))
     per_arm = {arm: _aggregate([r for r in runs if r["arm"] == arm]) for arm in arms}
     report: dict[str, Any] = {"runs": runs, "per_arm": per_arm, "seeds": seeds}

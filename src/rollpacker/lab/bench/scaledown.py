@@ -81,6 +81,38 @@ MEANS = (
 PAIRED = ("step/time_s", "rollout/time_s", "stage/train_s", "train/time_s")
 
 
+def check_scaledown(
+    config: Path,
+    overrides: dict[str, Any] | None = None,
+    steps: int = 6,
+    out_dir: Path = Path("build/bench-scaledown"),
+    arms: Sequence[str] = ARMS,
+    repeats: int = 2,
+) -> dict[str, Any]:
+    """Every arm's training config checked (the bench's settings, the model, this machine) before
+    anything runs or is made; the overrides the runs share."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ConfigError(f"scale-down bench arms {list(arms)}: use {', '.join(ARMS)}")
+    if steps < 1 or repeats < 1:
+        raise ConfigError(f"steps {steps}, repeats {repeats}: at least one step and one run per arm")
+    base = {
+        "experiment": "rollpacker-scaledown-bench",
+        "out_dir": str(Path(out_dir) / "runs"),
+        "tracking_uri": f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}",
+        **BENCH_OVERRIDES,
+        **(overrides or {}),
+        "steps": steps,
+    }
+    for arm in arms:
+        train_config(config, _arm_overrides(base, arm), run_name=f"scaledown-{arm}", make_store=False)
+    return base
+
+
+def _arm_overrides(base: dict[str, Any], arm: str) -> dict[str, Any]:
+    return {**base, "rollout.scale_down.enabled": arm == "on"}
+
+
 def run_scaledown_bench(
     config: Path,
     overrides: dict[str, Any] | None = None,
@@ -96,21 +128,9 @@ def run_scaledown_bench(
     times in ABBA order (off, on, on, off, ...: a drift in the machine's background load falls on
     both arms alike); the report (JSON-able), also written to ``out_dir``/scaledown.json with its
     plot ``scaledown.png``. Per arm, ``per_step`` pools the repeats (``repeat`` names each row's)."""
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        raise ConfigError(f"scale-down bench arms {list(arms)}: use {', '.join(ARMS)}")
-    if steps < 1 or repeats < 1:
-        raise ConfigError(f"steps {steps}, repeats {repeats}: at least one step and one run per arm")
     out_dir = Path(out_dir)
+    base = check_scaledown(config, overrides, steps, out_dir, arms, repeats)
     out_dir.mkdir(parents=True, exist_ok=True)
-    base = {
-        "experiment": "rollpacker-scaledown-bench",
-        "out_dir": str(out_dir / "runs"),
-        "tracking_uri": f"sqlite:///{(out_dir / 'mlflow.db').resolve()}",
-        **BENCH_OVERRIDES,
-        **(overrides or {}),
-        "steps": steps,
-    }
     report: dict[str, Any] = {
         "config": str(config),
         "overrides": _jsonable(base),
@@ -121,9 +141,7 @@ def run_scaledown_bench(
     }
     order = [(r, a) for r in range(repeats) for a in (arms if r % 2 == 0 else list(reversed(arms)))]
     for rep, arm in order:
-        text, cfg = train_config(
-            config, {**base, "rollout.scale_down.enabled": arm == "on"}, run_name=f"scaledown-{arm}-r{rep}"
-        )
+        text, cfg = train_config(config, _arm_overrides(base, arm), run_name=f"scaledown-{arm}-r{rep}")
         summary = train_arm(text, fresh=True, progress=progress, say=say)
         per_step = _per_step(
             ExperimentTracker(cfg.tracking_uri, cfg.experiment), summary.run_id, summary.steps

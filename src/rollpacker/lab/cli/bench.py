@@ -52,13 +52,21 @@ def bench_learning(
     accuracy after the same number of trained samples; checks every prompt is trained exactly once."""
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
-    from rollpacker.lab.bench.learning import learning_arms, log_to_mlflow, plot, render, run_learning
+    from rollpacker.lab.bench.learning import (
+        check_learning,
+        learning_arms,
+        log_to_mlflow,
+        plot,
+        render,
+        run_learning,
+    )
 
     chosen = learning_arms(arms)
     seed_list = [int(x) for x in seeds.split(",")]
-    out = writable_file(out)
     cfg_path = config_path(config)
     cfg = load_config(cfg_path, parse_sets(set_))  # the config and overrides before any warm-up
+    check_learning(cfg_path, parse_sets(set_), chosen, seed_list)  # every run's model and machine
+    out = writable_file(out)
     report = run_learning(cfg_path, parse_sets(set_), chosen, seed_list)
     out.write_text(json.dumps(report, indent=2))
     pngs = plot(report, out.with_suffix(".png"))
@@ -179,10 +187,11 @@ def bench_scaledown(
     """RollPacker's Algorithm 1 at runtime, on and off, on the same tail-batching arm in one run:
     step, rollout and train seconds and the trainer's devices over each step (docs/parallelism.md)."""
     from rollpacker.core.paths import writable_dir
-    from rollpacker.lab.bench.scaledown import render, run_scaledown_bench
+    from rollpacker.lab.bench.scaledown import check_scaledown, render, run_scaledown_bench
 
-    out_dir = writable_dir(out_dir, "--out-dir")
+    out_dir = writable_dir(out_dir, "--out-dir", make=False)  # made once every run is checked
     cfg_path = config_path(config)
+    check_scaledown(cfg_path, steps=steps, out_dir=out_dir, repeats=repeats)  # config, model, machine
     tracker = None
     if tracking_uri:
         from rollpacker.tracking import ExperimentTracker
@@ -209,11 +218,13 @@ def bench_speculation(
     from rollpacker.core.config import load_config
     from rollpacker.core.paths import writable_file
     from rollpacker.lab.bench.speculation import render, run_speculation_bench, write
+    from rollpacker.lab.checks import check_engine_config
     from rollpacker.logs import library_output_to, log_path
 
-    out = writable_file(out)
     sizes = [int(x) for x in batches.split(",") if x.strip()]
     cfg = load_config(config_path(config), parse_sets(set_))
+    check_engine_config(cfg)
+    out = writable_file(out)
     with library_output_to(log_path(cfg, "bench-speculation")):
         report = run_speculation_bench(
             cfg, sizes, temperature=temperature, repeats=repeats, log=say("[bench] ")

@@ -82,8 +82,9 @@ def rollout_replay(
     paper's figures), off-policy lag, rollout efficiency and token waste, plus the engine's
     batch-scaling curve measured in the same run.
     """
-    from rollpacker.core.config import SortedConfig
+    from rollpacker.core.config import EngineConfig, SortedConfig
     from rollpacker.core.paths import writable_file
+    from rollpacker.engines.gpus import check_engine_machine
     from rollpacker.lab.bench.replay import (
         BenchConfig,
         bench_policies,
@@ -94,6 +95,8 @@ def rollout_replay(
         write_report,
     )
 
+    if engine == "vllm":  # the replay's engine (vLLM's device, TP 1) against this machine, first
+        check_engine_machine(EngineConfig())
     out = writable_file(out) if out is not None else None
     cfg = BenchConfig(
         rollout=shape.rollout(sorted=SortedConfig(group_size=group_size)),
@@ -150,11 +153,13 @@ def rollout_task(
         task_arms,
         write,
     )
+    from rollpacker.lab.checks import check_engine_config
     from rollpacker.logs import library_output_to, log_path
 
-    out = writable_file(out)
     opts = TaskBenchOptions(task_arms(arms), periods=periods, tail_batch=tail_batch, repeats=repeats)
     cfg = load_config(config_path(config), parse_sets(set_))
+    check_engine_config(cfg)
+    out = writable_file(out)
     with library_output_to(log_path(cfg, "bench-rollout-task")):
         report = run_task_rollout_bench(cfg, opts, progress=progress(), log=say("[bench] "))
     write(report, out)

@@ -167,10 +167,13 @@ def profile_cmd(
     from rollpacker.core.latency import ProfileTable
     from rollpacker.core.paths import writable_file
     from rollpacker.engines.profiler import plot_profile
+    from rollpacker.lab.checks import check_engine_config
     from rollpacker.lab.profiling import profile_layouts, render_profile
 
+    cfg = load_config(config_path(config))
+    check_engine_config(cfg, layouts=True)
     out = writable_file(out)
-    doc = profile_layouts(load_config(config_path(config)), layouts, held_out, typer.echo)
+    doc = profile_layouts(cfg, layouts, held_out, typer.echo)
     out.write_text(json.dumps(doc, indent=1))
     png = plot_profile(ProfileTable.from_dict(doc["table"], str(out)), out.with_suffix(".png"))
     return Done("\n" + render_profile(doc, str(out)), wrote=[out, png])
@@ -204,10 +207,13 @@ def bench_planner(
     from rollpacker.core.paths import writable_file
     from rollpacker.lab.bench.planner import PlannerBenchConfig, render
     from rollpacker.lab.bench.replay import load_trace
+    from rollpacker.lab.checks import check_engine_config
     from rollpacker.lab.profiling import planner_benchmark
 
-    out = writable_file(out)
     cfg = load_config(config_path(config))
+    if profile is None or real_steps > 0:  # the layouts' engines start here
+        check_engine_config(cfg, layouts=True)
+    out = writable_file(out)
     engine = dataclasses.replace(
         cfg.engine, max_model_len=max(cfg.engine.max_model_len, shape.max_tokens + 160)
     )
