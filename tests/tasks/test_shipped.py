@@ -188,3 +188,36 @@ def test_a_bad_manifest_is_refused_with_the_rebuild_command(tmp_path: Path) -> N
     (tmp_path / shipped.MANIFEST).write_text("{")
     with pytest.raises(shipped.ShippedModelError, match="not valid JSON"):
         shipped.load_manifest(tmp_path)
+
+
+def test_the_build_command_trains_measures_and_writes_what_the_cache_then_installs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``rollpacker model ship`` end to end on a planted config (a 2-step warm-up of the 62K
+    ``bench`` model, no judge): trained, measured, written with its manifest; the cache then
+    installs it for that config's key instead of training."""
+    from typer.testing import CliRunner
+
+    from rollpacker.cli import app
+    from rollpacker.tasks.models import warmup_spec
+    from rollpacker.tasks.warmup import shipped_warm_up
+
+    config = tmp_path / "planted.yaml"
+    config.write_text(
+        "experiment: t\ntask: {name: synthetic_math, num_examples: 60, val_size: 6}\n"
+        "model: {preset: bench, warmup_steps: 2}\n"
+    )
+    out = tmp_path / "shipped"
+    res = CliRunner().invoke(app, ["model", "ship", "--config", str(config), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    (entry,) = shipped.load_manifest(out).values()
+    spec = warmup_spec(load_config(config))
+    assert entry.name == f"warm-bench-{spec.key()}" and entry.recipe == json.loads(json.dumps(asdict(spec)))
+    assert entry.val["metric"] == "greedy_exact_match" and entry.val["examples"] == 6
+    assert json.loads((out / entry.name / "warmup.json").read_text())["train_s"] > 0  # trained now
+    assert f"1 models ({entry.name})" in res.output
+    monkeypatch.setattr(shipped, "SHIPPED_ROOT", out)
+    monkeypatch.setenv("ROLLPACKER_CACHE", str(tmp_path / "cache"))
+    installed = shipped_warm_up(spec)
+    assert installed == tmp_path / "cache" / "models" / entry.name
+    assert {f.name: shipped.sha256_file(f) for f in installed.iterdir()} == entry.files
