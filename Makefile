@@ -71,6 +71,13 @@ TRAIN_ARGS ?=
 train: setup
 	$(VENV)/bin/rollpacker train --config $(CONFIG) $(TRAIN_ARGS)
 
+# The shipped models (src/rollpacker/models/shipped, package data): the embedded default experiment's
+# warm-ups trained by the project's own warm-up (~11 min here), measured, with their manifest. Rebuild
+# after a change to a warm-up recipe: tests/tasks/test_shipped.py fails until the keys agree.
+.PHONY: shipped-models
+shipped-models: setup
+	$(VENV)/bin/rollpacker model ship
+
 # The benchmarks: rollout replay (every policy on one trace on vLLM) and learning (configs/learning.yaml:
 # GRPO under sync and tail batching, the no-RL control, DAPO / REINFORCE++ / GSPO under tail
 # batching, 3 seeds each through the one step path; ~1 hour on 2 cores, docs/training.md).

@@ -52,7 +52,7 @@ def test_configs_ship_inside_the_package_and_the_repo_links_to_them() -> None:
     assert {"default", "experiment", "code", "cluster"} <= names
     assert (REPO / "configs").resolve() == SHIPPED_CONFIGS
     assert (REPO / "manifests" / "experiment.yaml").resolve() == SHIPPED_CONFIGS / "cluster.yaml"
-    assert 'rollpacker = ["configs/*.yaml"]' in (REPO / "pyproject.toml").read_text()
+    assert 'rollpacker = ["configs/*.yaml", ' in (REPO / "pyproject.toml").read_text()
 
 
 def test_resolve_config_takes_files_and_shipped_names_from_any_directory(

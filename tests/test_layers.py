@@ -66,7 +66,13 @@ LAYERS: dict[str, int] = {
 # Imports the order alone would allow but that are not: the components use only the stages' edge
 # and below, never each other's pipelines; the stages never build or train a model (the model
 # preparation runs before an arm's first step, tasks/prepare.py); the services never use dev tooling.
-MODEL_PREPARATION = ("rollpacker.tasks.prepare", "rollpacker.tasks.warmup", "rollpacker.tasks.tiny_model")
+MODEL_PREPARATION = (
+    "rollpacker.tasks.prepare",
+    "rollpacker.tasks.warmup",
+    "rollpacker.tasks.tiny_model",
+    "rollpacker.tasks.shipped",
+    "rollpacker.tasks.ship",
+)
 FORBIDDEN: tuple[tuple[str, str], ...] = (
     ("components", "pipelines"),
     *(("rollpacker.stages", m) for m in MODEL_PREPARATION),

@@ -48,7 +48,6 @@ from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
-from rollpacker.core.tasks import RewardKind
 from rollpacker.core.types import Runner, ServicesMode, parse_enum
 from rollpacker.engines.gpus import check_machine
 from rollpacker.logs import console
@@ -63,9 +62,8 @@ from rollpacker.stages.run import run_step
 from rollpacker.store import open_store
 from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
-from rollpacker.tasks.models import check_model
+from rollpacker.tasks.models import check_model, needs_toy_judge
 from rollpacker.tasks.prepare import prepare_arm
-from rollpacker.tasks.registry import BUILTIN_TASKS, load_task
 from rollpacker.tracking import ExperimentTracker, compare, log_compare
 
 
@@ -260,10 +258,8 @@ def prepare_models(
     has judge prompts (the judge service then finds it cached on this machine; on a cluster the
     judge's pod warms it up itself)."""
     prepare_arm(cfg, store, arm, quiet=quiet, say=say)
-    if not cfg.reward.judge.model and cfg.task.name in BUILTIN_TASKS:
-        sample = load_task(cfg.task.name, cfg.seed, min(cfg.task.num_examples, 30))
-        if any(ex.reward_kind is RewardKind.JUDGE for ex in sample):
-            judge_model_dir(cfg, quiet=quiet)
+    if needs_toy_judge(cfg):
+        judge_model_dir(cfg, quiet=quiet)
 
 
 def _disconnect_ray() -> None:

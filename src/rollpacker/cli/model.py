@@ -97,3 +97,46 @@ def model_warmup(
 
         path = warm_up(spec, force=force, progress=tick)
     return Done(json.dumps({"path": str(path), **json.loads((path / "warmup.json").read_text())}))
+
+
+@command(model_app, "ship")
+def model_ship(
+    config: Annotated[
+        list[str] | None,
+        shown("A config whose warm-ups to ship (repeatable).", "experiment: the embedded default"),
+    ] = None,
+    out: Annotated[
+        Path | None, shown("Where to write them.", "the package's rollpacker/models/shipped")
+    ] = None,
+    cache_dir: Annotated[
+        Path | None,
+        shown("Train in this cache directory (a warm-up already cached there is reused).", "a new empty one"),
+    ] = None,
+) -> Done:
+    """Build the shipped models: run the config's warm-up recipes (the start model, the toy judge)
+    with the project's own warm-ups, measure each on its validation set, and write them with their
+    manifest (sha256 of each file, key, recipe, shapes, tokenizer, validation figure) as package data.
+    A first run on a fresh machine then installs them into the model cache instead of training."""
+    from tqdm import tqdm
+
+    from rollpacker.tasks.ship import SHIPPED_CONFIGS, Recipe, ship
+    from rollpacker.tasks.shipped import SHIPPED_ROOT
+
+    bars: list[tqdm] = []
+
+    def progress(r: Recipe):  # type: ignore[no-untyped-def]
+        bars.append(tqdm(total=r.spec.steps, desc=r.name, unit="step"))
+        return lambda _step, loss: (bars[-1].update(1), bars[-1].set_postfix(loss=f"{loss:.3f}"))
+
+    dest = out or SHIPPED_ROOT
+    try:
+        entries = ship(tuple(config or SHIPPED_CONFIGS), dest, cache_dir, say=typer.echo, progress=progress)
+    finally:
+        for b in bars:
+            b.close()
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    return Done(
+        wrote=[
+            f"{len(entries)} models ({', '.join(e.name for e in entries)}), {size / 1e6:.1f} MB, to {dest}"
+        ]
+    )

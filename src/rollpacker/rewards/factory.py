@@ -114,7 +114,8 @@ def _toy_judge(cfg: ExperimentConfig, quiet: bool) -> Path:
     from tqdm import tqdm
 
     from rollpacker.logs import console
-    from rollpacker.tasks.judge_task import JudgeWarmupSpec, judge_dir, warm_up_judge
+    from rollpacker.tasks.judge_task import judge_dir, shipped_judge, warm_up_judge
+    from rollpacker.tasks.models import judge_warmup_spec
     from rollpacker.tasks.registry import BUILTIN_TASKS
 
     j = cfg.reward.judge
@@ -125,12 +126,21 @@ def _toy_judge(cfg: ExperimentConfig, quiet: bool) -> Path:
             "set reward.judge.model to a judge model (a Hugging Face directory on the judge's pod, or a "
             "URI in the experiment's store) (docs/judge.md)"
         )
-    spec = JudgeWarmupSpec(model=j.preset, steps=j.warmup_steps)
+    spec = judge_warmup_spec(cfg)
     cached = judge_dir(spec)
     if (cached / "judge.json").is_file():
         if not quiet:
             print(f"judge warm-up: cached ({cached})", file=console(), flush=True)
         return cached
+    installed = shipped_judge(spec)
+    if installed is not None:
+        if not quiet:
+            print(
+                f"judge warm-up: shipped with rollpacker, installed to {installed}",
+                file=console(),
+                flush=True,
+            )
+        return installed
     bar = tqdm(total=spec.steps, desc="judge warm-up", unit="step", disable=quiet, file=console())
     try:
         return warm_up_judge(spec, progress=lambda _s, _l: bar.update(1))

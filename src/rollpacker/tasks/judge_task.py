@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollpacker.tasks import synthetic_math
+from rollpacker.tasks import shipped, synthetic_math
 from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir, publish_dir
 
 if TYPE_CHECKING:
@@ -318,8 +318,11 @@ def warm_up_judge(
     cache_dir: Path | None = None,
     force: bool = False,
     progress: Callable[[int, float], None] | None = None,
+    use_shipped: bool = True,
 ) -> Path:
-    """Return the directory of the warmed-up judge for ``spec``, training it if not cached.
+    """Return the directory of the warmed-up judge for ``spec``: the cached one, else the shipped
+    one for the same key installed into the cache (``tasks/shipped.py``; unless ``use_shipped`` is
+    False), else one trained now. ``force``: train even if cached or shipped.
 
     The directory holds the model and tokenizer (``from_pretrained``-loadable) and ``judge.json``
     (the spec, final loss, training seconds, held-out accuracy). ``progress(step, loss)`` is called
@@ -329,6 +332,8 @@ def warm_up_judge(
     out = judge_dir(spec, cache_dir)
     if (out / "judge.json").is_file() and not force:
         return out
+    if use_shipped and not force and shipped.install(out) is not None:
+        return out
     base = build_tiny_model(spec.model, cache_dir=cache_dir)
 
     def build(tmp: Path) -> None:
@@ -336,6 +341,12 @@ def warm_up_judge(
         (tmp / "judge.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
 
     return publish_dir(out, build)
+
+
+def shipped_judge(spec: JudgeWarmupSpec, cache_dir: Path | None = None) -> Path | None:
+    """The shipped judge for ``spec``'s key installed into the cache (verified against the
+    manifest), or None when no judge is shipped for that key."""
+    return shipped.install(judge_dir(spec, cache_dir))
 
 
 def judge_info(model_dir: Path) -> dict[str, Any]:

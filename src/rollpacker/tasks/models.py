@@ -41,6 +41,25 @@ def warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
     return spec
 
 
+def judge_warmup_spec(cfg: ExperimentConfig):  # type: ignore[no-untyped-def]
+    """The toy judge's warm-up recipe (``reward.judge.preset``, ``.warmup_steps``)."""
+    from rollpacker.tasks.judge_task import JudgeWarmupSpec
+
+    return JudgeWarmupSpec(model=cfg.reward.judge.preset, steps=cfg.reward.judge.warmup_steps)
+
+
+def needs_toy_judge(cfg: ExperimentConfig) -> bool:
+    """Whether ``cfg``'s task has judge prompts and no judge model is given: the toy judge is then
+    warmed up here (``judge_warmup_spec``)."""
+    from rollpacker.core.tasks import RewardKind
+    from rollpacker.tasks.registry import BUILTIN_TASKS, load_task
+
+    if cfg.reward.judge.model or cfg.task.name not in BUILTIN_TASKS:
+        return False
+    sample = load_task(cfg.task.name, cfg.seed, min(cfg.task.num_examples, 30))
+    return any(ex.reward_kind is RewardKind.JUDGE for ex in sample)
+
+
 def model_identity(cfg: ExperimentConfig) -> str:
     """A short digest of the model RL starts from, without building it: the warm-up's cache key,
     the tiny model's, or ``model.model_dir``'s path and files (names, sizes, mtimes). The start

@@ -8,8 +8,9 @@ Invariants (tests/tasks/test_prepare.py):
 - an arm's start model is in the store under ``base_key`` with ``PREPARED_MARKER`` written after
   its last file: a prefix without the marker (an interrupted upload) is uploaded again;
 - a start model already in the store is neither built nor uploaded again;
-- the terminal says "cached" only when the warmed-up model came from the cache; a warm-up that
-  trains shows a bar with its steps and the time left.
+- the terminal says "cached" only when the warmed-up model came from the cache, "shipped" when it
+  was installed from the models shipped with rollpacker (tasks/shipped.py); a warm-up that trains
+  shows a bar with its steps and the time left.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class PreparedModel:
     """An arm's start model in the store: its URI, and how it got there."""
 
     uri: str
-    source: str  # "store" (already there), "model_dir", "tiny", "cache" (a cached warm-up), "warm-up"
+    # "store" (already there), "model_dir", "tiny", "cache" (a cached warm-up), "shipped" (the
+    # warm-up shipped with rollpacker for the same key, installed into the cache), "warm-up"
+    source: str
 
 
 def prepare_model(
@@ -67,7 +70,7 @@ def prepare_arm(
 def _prepare(
     cfg: ExperimentConfig, quiet: bool, say: Callable[[str], None] | None, arm: str = ""
 ) -> tuple[Path, str]:
-    from rollpacker.tasks.warmup import cached_warm_up, warm_up
+    from rollpacker.tasks.warmup import cached_warm_up, shipped_warm_up, warm_up
 
     check_model(cfg)  # nothing is built for a config the model cannot take
     who = f"[{arm}] " if arm else ""
@@ -85,6 +88,10 @@ def _prepare(
     if cached is not None:
         _say(say, quiet, f"{who}warm-up: cached ({cached})")
         return cached, "cache"
+    installed = shipped_warm_up(spec)
+    if installed is not None:
+        _say(say, quiet, f"{who}warm-up: shipped with rollpacker, installed to {installed}")
+        return installed, "shipped"
     from tqdm import tqdm
 
     _say(say, quiet, f"{who}warm-up: not cached; training {cfg.model.preset!r} for {spec.steps} steps (once)")

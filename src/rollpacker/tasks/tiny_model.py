@@ -95,6 +95,13 @@ def vocab() -> dict[str, int]:
     return {t: i for i, t in enumerate(toks)}
 
 
+def tokenizer_id(vocabulary: dict[str, int] | None = None, eos: str = SPECIAL_TOKENS[0]) -> str:
+    """The tokenizer's identity: a digest of its vocabulary (token -> id, special tokens included)
+    and its eos token; with no arguments, that of the tokenizer ``build_tokenizer`` writes."""
+    blob = json.dumps({"vocab": vocab() if vocabulary is None else vocabulary, "eos": eos}, sort_keys=True)
+    return "bytelevel-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
 def build_tokenizer(out_dir: Path) -> None:
     """Write a byte-level tokenizer with no merges (every byte is one token) to ``out_dir``.
 

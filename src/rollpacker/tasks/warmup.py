@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollpacker.tasks import synthetic_code, synthetic_math
+from rollpacker.tasks import shipped, synthetic_code, synthetic_math
 from rollpacker.tasks.tiny_model import PRESETS, build_tiny_model, default_cache_dir, publish_dir
 
 WARMUP_VERSION = 1
@@ -100,14 +100,19 @@ def warm_up(
     cache_dir: Path | None = None,
     force: bool = False,
     progress: Callable[[int, float], None] | None = None,
+    use_shipped: bool = True,
 ) -> Path:
-    """Return the directory of the warmed-up model for ``spec``, training it if not cached.
+    """Return the directory of the warmed-up model for ``spec``: the cached one, else the shipped
+    one for the same key installed into the cache (``tasks/shipped.py``; unless ``use_shipped`` is
+    False), else one trained now. ``force``: train even if cached or shipped.
 
     ``progress(step, loss)`` is called after each optimizer step.
     """
     spec = spec or WarmupSpec()
     out = _warmup_dir(spec, cache_dir)
     if (out / "warmup.json").is_file() and not force:
+        return out
+    if use_shipped and not force and shipped.install(out) is not None:
         return out
     base = build_tiny_model(spec.model, cache_dir=cache_dir)
 
@@ -122,6 +127,12 @@ def cached_warm_up(spec: WarmupSpec, cache_dir: Path | None = None) -> Path | No
     """The directory of the warmed-up model for ``spec`` if the cache holds it, else None."""
     out = _warmup_dir(spec, cache_dir)
     return out if (out / "warmup.json").is_file() else None
+
+
+def shipped_warm_up(spec: WarmupSpec, cache_dir: Path | None = None) -> Path | None:
+    """The shipped model for ``spec``'s key installed into the cache (verified against the
+    manifest), or None when no model is shipped for that key."""
+    return shipped.install(_warmup_dir(spec, cache_dir))
 
 
 def _warmup_dir(spec: WarmupSpec, cache_dir: Path | None) -> Path:
