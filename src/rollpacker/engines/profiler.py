@@ -182,7 +182,7 @@ def measure_point(
                 engine.step()
             raise _PointLost(
                 f"profile point B={batch} L={length}: only {[b for b, _ in loads]} of {batch} requests "
-                "per replica still running in the decode window; skipped"
+                "per replica still running in the decode window"
             )
         _, st = engine.step()
         times.append(st.duration_s)
@@ -197,6 +197,32 @@ def measure_point(
         prefill_s=prefill,
         decode_s=sum(times) / len(times),
     )
+
+
+POINT_TRIES = 3  # a point lost to the race between replicas (below) is measured again, then skipped
+
+
+def _measure_point_again_if_lost(
+    eng: LayoutEngine,
+    rng: random.Random,
+    tag: str,
+    batch: int,
+    length: int,
+    spec: ProfileSpec,
+    cfg: EngineConfig,
+    say: Callable[[str], None],
+) -> ProfilePoint | None:
+    """``measure_point``, tried up to ``POINT_TRIES`` times. A point is lost when the requests
+    of one replica ran out of room while another replica still prefilled: the replicas' engine
+    cores run on their own, so on a busy machine one can lag the other by a whole decode window
+    (the long contexts leave the least room: ``max_model_len - length``). That is a race, not a
+    property of the point; None (the point skipped, said) only when every try lost it."""
+    for attempt in range(1, POINT_TRIES + 1):
+        try:
+            return measure_point(eng, rng, f"{tag}/t{attempt}", batch, length, spec.window, cfg.max_model_len)
+        except _PointLost as e:
+            say(f"{e} (try {attempt} of {POINT_TRIES})")
+    return None
 
 
 def profile_engines(
@@ -253,10 +279,8 @@ def _profile_layout(
         measure_point(eng, rng, f"{tag}/warm", grid[0][0], grid[0][1], 4, cfg.max_model_len)
     points = []
     for b, length in grid:
-        try:
-            p = measure_point(eng, rng, f"{tag}/b{b}l{length}", b, length, spec.window, cfg.max_model_len)
-        except _PointLost as e:
-            say(str(e))
+        p = _measure_point_again_if_lost(eng, rng, f"{tag}/b{b}l{length}", b, length, spec, cfg, say)
+        if p is None:
             continue
         points.append(p)
         say(
