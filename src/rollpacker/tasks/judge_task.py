@@ -340,7 +340,7 @@ def warm_up_judge(
         info = _train(spec, base, tmp, progress)
         (tmp / "judge.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
 
-    return publish_dir(out, build)
+    return publish_dir(out, build, None if force else lambda d: (d / "judge.json").is_file())
 
 
 def shipped_judge(spec: JudgeWarmupSpec, cache_dir: Path | None = None) -> Path | None:

@@ -159,4 +159,4 @@ def install(dest: Path, root: Path | None = None) -> Path | None:
         for name in sorted(entry.files, key=lambda n: n == entry.marker):  # the marker last
             shutil.copyfile(src / name, tmp / name)
 
-    return publish_dir(dest, copy)
+    return publish_dir(dest, copy, lambda d: (d / entry.marker).is_file())

@@ -168,22 +168,40 @@ def build_tiny_model(
         build_model(spec, tmp)
         (tmp / "rollpacker_spec.json").write_text(json.dumps(asdict(spec), indent=2))
 
-    return publish_dir(out, build)
+    return publish_dir(out, build, None if force else lambda d: (d / "config.json").is_file())
 
 
-def publish_dir(out: Path, build: Callable[[Path], None]) -> Path:
+def publish_dir(
+    out: Path, build: Callable[[Path], None], complete: Callable[[Path], bool] | None = None
+) -> Path:
     """Run ``build`` into a temporary sibling of ``out``, then rename it to ``out``: a cached
-    directory is complete or absent, whatever dies half-way."""
+    directory is complete or absent, whatever dies half-way.
+
+    Under an exclusive lock of ``out`` (``flock`` of a ``<name>.lock`` sibling): a second process
+    building the same entry (the suite's other worker, another pod on a shared cache volume) waits
+    for the first and, when ``complete(out)`` then holds, returns the first one's result instead of
+    building it again, and never replaces a directory another process has published and may read.
+    ``complete``: whether ``out`` is a whole entry (its marker file); None: build whatever is there.
+    """
+    import fcntl
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
-        build(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with open(out.parent / f"{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if complete is not None and complete(out):
+                return out
+            tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+            try:
+                build(tmp)
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return out
 
 

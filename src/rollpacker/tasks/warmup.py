@@ -120,7 +120,7 @@ def warm_up(
         info = _train(spec, base, tmp, progress)
         (tmp / "warmup.json").write_text(json.dumps({"spec": asdict(spec), **info}, indent=2))
 
-    return publish_dir(out, build)
+    return publish_dir(out, build, None if force else lambda d: (d / "warmup.json").is_file())
 
 
 def cached_warm_up(spec: WarmupSpec, cache_dir: Path | None = None) -> Path | None:
