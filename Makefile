@@ -44,8 +44,8 @@ slow: setup
 # and weight-push runs (docs/testing.md), so the budget leaves a cold cache's warm-ups (~4 min) on
 # top before it fails a run.
 TEST_BUDGET_S ?= 2400
-# Two pytest-xdist workers, each starting with one of the two units of slow tests (the whole runs,
-# the rest; tests/conftest.py), the fast modules filling in. TEST_WORKERS=0: everything in one process.
+# Two pytest-xdist workers: the slow tests one at a time on one of them (tests/conftest.py groups
+# them), the fast ones beside them on the other. TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: setup

@@ -7,7 +7,6 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,66 +35,42 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, with the
 # scheduler below). A test module goes to one worker whole (its module and session fixtures start
-# once). The modules with a slow test (real engines, Ray, servers, whole runs) form two units of
-# work, one per worker, each run one module after another in its order:
-# - "serial-runs": the whole runs (tests/experiment/: kfp.local and inline runs, the chaos and
-#   fault runs, two Ray nodes, the learning check) and everything that runs the code sandbox
-#   (tests/rewards/, the reward bench, the soak): the sandbox's leak check looks at every jailed
-#   process of the machine, and the runs' code rewards jail theirs, so they never run side by side;
-# - "serial-engines": the other slow modules (real vLLM engines and layouts, megatron gangs, the
-#   local services, image resolution) and the fast modules that start Ray or the local services.
-# The two weigh about the same (measured: ~25 min each with one worker each, under load), so each
-# worker starts with one of them and the fast modules fill in beside them. Two slow tests therefore
-# run at once, never two of one unit: each starts its own Ray head, servers and ports (never one
-# another process started: `ray.init(address=...)` everywhere). The grouping is by the module's
-# path and source (a `pytest.mark.slow` in it), read by the controller, which collects nothing
-# itself; xdist's own `xdist_group` marks are not used: under pytest 9.2 they group nothing (seen:
-# a module's marked tests on both workers).
-SERIAL_RUNS = "serial-runs"
-SERIAL_ENGINES = "serial-engines"
-SERIAL_UNITS = (SERIAL_RUNS, SERIAL_ENGINES)
-RUNS = (
-    "tests/experiment/",
-    "tests/rewards/",
-    "tests/lab/bench/test_reward_bench.py",
-    "tests/lab/bench/test_soak.py",
-)
+# once). The modules with a slow test (real engines, Ray, servers, whole runs) are one unit of
+# work, "serial": they run one after another on one worker, in the order and alone as before, while
+# the other modules run beside them on the other worker. Also serial: the modules that start Ray or
+# the local services from fast tests, and the sandbox's (its leak check looks at every jailed
+# process of the machine, so no other sandbox may run beside it). The grouping is by the module's
+# source (a `pytest.mark.slow` in it), read by the controller, which collects nothing itself;
+# xdist's own `xdist_group` marks are not used: under pytest 9.2 they group nothing (seen: a
+# module's marked tests on both workers).
 SERIAL_ALWAYS = (
     "tests/rewards/",
     "tests/services/test_placement.py",
     "tests/experiment/test_experiment_preflight.py",
 )
+SERIAL = "serial"
 
 
 def serial_module(path: str, source: str) -> bool:
-    """Whether the test module at ``path`` (relative to the repository) runs in a serial unit."""
+    """Whether the test module at ``path`` (relative to the repository) runs in the serial unit."""
     return path.startswith(SERIAL_ALWAYS) or "pytest.mark.slow" in source
 
 
-def serial_unit(path: str, source: str) -> str | None:
-    """The serial unit of the module at ``path``, or None for a module that is a unit of its own."""
-    if not serial_module(path, source):
-        return None
-    return SERIAL_RUNS if path.startswith(RUNS) else SERIAL_ENGINES
-
-
 def scope_of(nodeid: str, root: Path, cache: dict[str, str]) -> str:
-    """The unit of work a test belongs to: one of ``SERIAL_UNITS``, or its module's path."""
+    """The unit of work a test belongs to: ``SERIAL``, or its module's path."""
     path = nodeid.split("::", 1)[0]
     if path not in cache:
         try:
             source = (root / path).read_text()
         except OSError:
             source = ""
-        cache[path] = serial_unit(path, source) or path
+        cache[path] = SERIAL if serial_module(path, source) else path
     return cache[path]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """Under ``--dist loadscope``: xdist's scope scheduler, its scopes the units above, the serial
-    units handed out first (one to each worker: xdist hands a worker its first unit from the front
-    of the queue, which it otherwise orders by the units' test counts)."""
+    """Under ``--dist loadscope``: xdist's scope scheduler, its scopes the units above."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -105,12 +80,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     class SerialSlowScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid, root, cache)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            for unit in reversed(SERIAL_UNITS):
-                if unit in self.workqueue:
-                    self.workqueue.move_to_end(unit, last=False)
-            super()._assign_work_unit(node)
 
     return SerialSlowScheduling(config, log)
 
