@@ -3,7 +3,10 @@ its end."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,36 +38,61 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadscope`, with the
 # scheduler below). A test module goes to one worker whole (its module and session fixtures start
-# once). The modules with a slow test (real engines, Ray, servers, whole runs) are one unit of
-# work, "serial": they run one after another on one worker, in the order and alone as before, while
-# the other modules run beside them on the other worker. Also serial: the modules that start Ray or
-# the local services from fast tests, and the sandbox's (its leak check looks at every jailed
-# process of the machine, so no other sandbox may run beside it). The grouping is by the module's
-# source (a `pytest.mark.slow` in it), read by the controller, which collects nothing itself;
-# xdist's own `xdist_group` marks are not used: under pytest 9.2 they group nothing (seen: a
-# module's marked tests on both workers).
+# once). The modules with a slow test (real engines, Ray, servers, whole runs) form two units of
+# work, each run one module after another on one worker, side by side: "serial-sandbox" holds every
+# module that runs the code sandbox (its leak check looks at every jailed process on the machine, so
+# no other sandbox may run beside it: the rewards' modules and any module that names the sandbox or a
+# code task) and, for balance, the modules of BESIDE_SANDBOX; "serial" holds the rest. A slow module
+# measured at about one busy core (docs/testing.md), two of them side by side fill the machine's two
+# cores. The fast modules are units of their own and fill the gaps. Also serial: the modules that
+# start Ray or the local services from fast tests. A test whose check depends on the machine's speed
+# (a profile, a predicted trajectory, a timed probe) is marked `alone`: it holds the CPU lock
+# exclusively, so the other worker's slow tests wait for it (every slow test holds the lock shared;
+# `cpu_lock` below). The grouping is by the module's source, read by the controller, which collects
+# nothing itself; xdist's own `xdist_group` marks are not used: under pytest 9.2 they group nothing
+# (seen: a module's marked tests on both workers).
 SERIAL_ALWAYS = (
     "tests/rewards/",
     "tests/services/test_placement.py",
     "tests/experiment/test_experiment_preflight.py",
 )
 SERIAL = "serial"
+SANDBOX_UNIT = "serial-sandbox"
+# whole runs and service tests that do not run the sandbox, placed beside the sandbox's users so
+# that the two units take about as long (about 900 s each in the last measured run)
+BESIDE_SANDBOX = (
+    "tests/experiment/test_pipeline_faults.py",
+    "tests/experiment/test_inline_runner.py",
+    "tests/store/",
+    "tests/test_secrets.py",
+    "tests/services/test_fail_fast.py",
+)
+_RUNS_SANDBOX = re.compile(r"sandbox|synthetic_code|humaneval|mixed", re.IGNORECASE)
 
 
 def serial_module(path: str, source: str) -> bool:
-    """Whether the test module at ``path`` (relative to the repository) runs in the serial unit."""
+    """Whether the test module at ``path`` (relative to the repository) runs in a serial unit."""
     return path.startswith(SERIAL_ALWAYS) or "pytest.mark.slow" in source
 
 
+def unit_of(path: str, source: str) -> str | None:
+    """The serial unit of the test module at ``path``, or None for a fast module (its own unit)."""
+    if not serial_module(path, source):
+        return None
+    if path.startswith(("tests/rewards/", *BESIDE_SANDBOX)) or _RUNS_SANDBOX.search(source):
+        return SANDBOX_UNIT
+    return SERIAL
+
+
 def scope_of(nodeid: str, root: Path, cache: dict[str, str]) -> str:
-    """The unit of work a test belongs to: ``SERIAL``, or its module's path."""
+    """The unit of work a test belongs to: a serial unit's name, or its module's path."""
     path = nodeid.split("::", 1)[0]
     if path not in cache:
         try:
             source = (root / path).read_text()
         except OSError:
             source = ""
-        cache[path] = SERIAL if serial_module(path, source) else path
+        cache[path] = unit_of(path, source) or path
     return cache[path]
 
 
@@ -82,6 +110,53 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return scope_of(nodeid, root, cache)
 
     return SerialSlowScheduling(config, log)
+
+
+class CpuLock:
+    """A readers-writer lock between the suite's worker processes, on two files: every slow test
+    holds ``cpu`` shared, a test marked ``alone`` holds it exclusively. A writer first takes ``gate``
+    and keeps it until it is done, and a reader passes through ``gate`` before it takes ``cpu``, so a
+    waiting writer is never starved by a stream of readers (flock itself queues nobody)."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.gate_path, self.cpu_path = directory / "gate.lock", directory / "cpu.lock"
+
+    @contextlib.contextmanager
+    def hold(self, exclusive: bool) -> Iterator[None]:
+        with open(self.gate_path, "a") as gate, open(self.cpu_path, "a") as cpu:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(cpu, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            finally:
+                if not exclusive:
+                    fcntl.flock(gate, fcntl.LOCK_UN)
+            try:
+                yield
+            finally:
+                fcntl.flock(cpu, fcntl.LOCK_UN)
+                if exclusive:
+                    fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session")
+def _cpu_lock(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> CpuLock | None:
+    """The run's CPU lock (its files beside the workers' temporary directories), or None in one
+    process (no xdist: nothing runs beside)."""
+    if worker_id == "master":
+        return None
+    return CpuLock(tmp_path_factory.getbasetemp().parent / "cpu-lock")
+
+
+@pytest.fixture(autouse=True)
+def cpu_lock(request: pytest.FixtureRequest, _cpu_lock: CpuLock | None) -> Iterator[None]:
+    """A slow test holds the CPU lock shared, an ``alone`` test exclusively (see ``CpuLock``)."""
+    alone = request.node.get_closest_marker("alone") is not None
+    if _cpu_lock is None or not (alone or request.node.get_closest_marker("slow") is not None):
+        yield
+        return
+    with _cpu_lock.hold(exclusive=alone):
+        yield
 
 
 def make_prompts(lens: list[list[int]], prefix: str = "p") -> list[Prompt]:

@@ -1,13 +1,16 @@
 """The suite's units of work under pytest-xdist (`make test` runs two workers with the scheduler
 of tests/conftest.py): a module goes to one worker whole; every module with a slow test (or one that
-starts real services from fast tests, or runs the sandbox) is in the one "serial" unit, the rest run
-beside it."""
+starts real services from fast tests, or runs the sandbox) is in one of two serial units, every
+module that runs the sandbox in the same one; the fast modules are units of their own. A test marked
+``alone`` holds the CPU lock exclusively, every slow test holds it shared."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
-from tests.conftest import SERIAL, scope_of, serial_module
+from tests.conftest import BESIDE_SANDBOX, SANDBOX_UNIT, SERIAL, CpuLock, scope_of, serial_module, unit_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,12 +31,74 @@ def test_the_sandbox_and_the_fast_modules_that_start_services_are_serial() -> No
     assert not serial_module("tests/core/test_serde.py", "def test(): pass")
 
 
-def test_the_real_tree_puts_the_end_to_end_runs_in_the_serial_unit() -> None:
+def test_every_module_that_runs_the_sandbox_is_in_the_sandbox_unit(tmp_path: Path) -> None:
+    slow = "import pytest\n@pytest.mark.slow\ndef test_x(): pass\n"
+    assert unit_of("tests/rewards/test_new.py", "def test_x(): pass\n") == SANDBOX_UNIT
+    assert unit_of("tests/x/test_a.py", slow + "cfg = 'task: {name: synthetic_code}'\n") == SANDBOX_UNIT
+    assert unit_of("tests/x/test_b.py", slow + "from rollpacker.rewards import sandbox\n") == SANDBOX_UNIT
+    assert unit_of("tests/x/test_c.py", slow + "cfg = 'task: {name: mixed}'\n") == SANDBOX_UNIT
+    assert unit_of("tests/x/test_d.py", slow) == SERIAL
+    assert unit_of("tests/x/test_e.py", "def test_x(): pass\n") is None
+
+
+def test_the_real_tree_splits_the_slow_modules_into_the_two_units() -> None:
     cache: dict[str, str] = {}
-    for nodeid in (
-        "tests/experiment/test_chaos.py::test_faults",
-        "tests/experiment/test_inline_runner.py::test_x",
-        "tests/trainers/megatron/test_gang.py::test_x",
+    for nodeid, unit in (
+        ("tests/experiment/test_chaos.py::test_faults", SANDBOX_UNIT),  # its sandbox-hang fault
+        ("tests/experiment/test_dynamic_sampling_run.py::test_x", SANDBOX_UNIT),
+        ("tests/lab/bench/test_reward_bench.py::test_x", SANDBOX_UNIT),
+        ("tests/experiment/test_inline_runner.py::test_x", SANDBOX_UNIT),  # BESIDE_SANDBOX
+        ("tests/experiment/test_two_nodes.py::test_x", SERIAL),
+        ("tests/trainers/megatron/test_gang.py::test_x", SERIAL),
+        ("tests/engines/test_layout.py::test_x", SERIAL),
     ):
-        assert scope_of(nodeid, ROOT, cache) == SERIAL, nodeid
+        assert scope_of(nodeid, ROOT, cache) == unit, nodeid
     assert scope_of("tests/core/test_serde.py::test_x", ROOT, cache) == "tests/core/test_serde.py"
+    for entry in BESIDE_SANDBOX:  # no stale entry: each names a slow module or a folder of some
+        assert (ROOT / entry).exists(), entry
+        paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).glob("test_*.py"))
+        assert any(serial_module(entry, p.read_text()) for p in paths), entry
+
+
+def test_an_alone_test_waits_for_the_shared_holders_and_is_not_starved(tmp_path: Path) -> None:
+    lock, events, lock_events = CpuLock(tmp_path / "lock"), [], threading.Lock()
+
+    def note(e: str) -> None:
+        with lock_events:
+            events.append(e)
+
+    first_release, writer_release = threading.Event(), threading.Event()
+
+    def reader(name: str, release: threading.Event | None) -> None:
+        with lock.hold(exclusive=False):
+            note(f"{name} in")
+            if release is not None:
+                release.wait(10)
+        note(f"{name} out")
+
+    def writer() -> None:
+        with lock.hold(exclusive=True):
+            note("alone in")
+            writer_release.wait(10)
+        note("alone out")
+
+    r1 = threading.Thread(target=reader, args=("r1", first_release))
+    r1.start()
+    while "r1 in" not in events:
+        time.sleep(0.01)
+    w = threading.Thread(target=writer)
+    w.start()
+    time.sleep(0.3)
+    r2 = threading.Thread(target=reader, args=("r2", None))  # arrives while the alone test waits
+    r2.start()
+    time.sleep(0.3)
+    assert events == ["r1 in"]  # the alone test waits for r1; r2 waits behind the alone test
+    first_release.set()
+    while "alone in" not in events:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert "r2 in" not in events  # nothing shared runs beside the alone test
+    writer_release.set()
+    for t in (r1, w, r2):
+        t.join(10)
+    assert events.index("alone out") < events.index("r2 in")

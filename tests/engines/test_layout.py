@@ -117,6 +117,7 @@ def test_abort_reaches_a_migrated_request(pool) -> None:
     assert seen == {r.request_id for r in reqs[1:]}
 
 
+@pytest.mark.alone  # a profile of the layouts, then a trajectory timed against it
 def test_profile_and_trajectory_on_real_engines(pool) -> None:
     """A small profile of both layouts, then a real trajectory predicted from it."""
     from rollpacker.engines.profiler import ProfileSpec, profile_engines, record_trajectory

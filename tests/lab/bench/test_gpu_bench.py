@@ -212,6 +212,7 @@ def _blocked_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its phases time a probe against the machine's speed
 def test_the_tiny_dry_run_passes_every_phase_without_the_packages_the_gpu_machine_lacks(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ def test_workload_is_seeded_and_has_every_kind():
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the adaptive timeouts are learned from measured run times
 def test_adaptive_cuts_doomed_runs_and_keeps_correct_verdicts():
     r = run_reward_bench(
         problems=3,

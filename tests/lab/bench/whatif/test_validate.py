@@ -56,6 +56,7 @@ def test_the_rendered_report_says_pass_or_fail_per_the_bar() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the simulator's error against measured step times
 def test_a_short_validation_on_the_real_engine() -> None:
     """A fit and one small trace on the real vLLM engine (about a minute on 2 idle cores): the
     simulator's seconds per step are in the engine's range for sync and tail batching (a mean
