@@ -152,3 +152,55 @@ def test_a_pipelined_gang_opens_the_group_with_one_sender_per_stage(
     (group,) = got
     assert (group.senders, group.rank_offset, group.world_size, group.backend) == (2, 2, 5, "gloo")
     assert all(p is not None for p in svc.trainer.pgs)
+
+
+def test_a_gang_rebuilt_after_a_lost_rank_opens_a_new_group_at_its_next_push(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The group's senders are ranks of the gang: once the gang is rebuilt (a rank died), the old
+    group is gone with them, and the engine, still a member of it, must not be pushed to over it
+    (seen: the new gang's senders, in no group, sent nothing, and the engine waited for the dead
+    sender's broadcast until the group's timeout)."""
+    from rollpacker.services.trainer import TrainerService
+    from rollpacker.trainers.megatron import gang, source
+
+    text = (
+        f'experiment: t\nstore: {{endpoint: "file://{tmp_path}"}}\n'
+        "train: {backend: megatron, weight_sync: collective}\n"
+    )
+    svc = TrainerService(text, "sync")
+    built: list[object] = []
+
+    class _Source:
+        def __init__(self, store: object, uri: str) -> None:
+            self.uri = uri
+
+        def exists(self, name: str) -> bool:
+            return True  # a checkpoint with its optimizer state: not the base model
+
+        def model(self) -> str:
+            return self.uri
+
+    class _Gang:
+        broken = ""
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            built.append(self)
+
+        def restore(self, src: object) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(source, "StoreSource", _Source)
+    monkeypatch.setattr(gang, "MegatronTrainer", _Gang)
+    old = _Gang()
+    svc.trainer = old  # type: ignore[assignment]
+    svc._wt = (None, 12345)  # the group the old gang's senders opened with the engine
+    svc._restore_megatron("s3://b/ckpt/s1/")  # the gang is whole: it reloads, the group stays
+    assert svc.trainer is old and svc._wt == (None, 12345)
+    old.broken = "rank 0 on node 10.0.0.2 died"  # type: ignore[misc]
+    svc._restore_megatron("s3://b/ckpt/s1/")
+    assert svc.trainer is not old and len(built) == 2
+    assert svc._wt is None  # the next push opens a group with the new gang's senders

@@ -200,6 +200,9 @@ class TrainerService(Service, TrainerAPI):
             self.trainer.close()
             self.trainer = None
         if self.trainer is None:
+            # the weight-transfer group's senders were the old gang's ranks: the new gang opens
+            # its own at the next push (else its senders, in no group, would be asked to send)
+            self._wt = None
             self.trainer = MegatronTrainer(
                 src.model(),
                 dataclasses.replace(cfg.train, seed=cfg.seed + cfg.train.seed),
