@@ -1,6 +1,6 @@
 """The suite's time budget, a pytest plugin (registered in tests/conftest.py).
 
-`make test` sets ``ROLLPACKER_TEST_BUDGET_S`` (3000: CI gives a submission 90 minutes in all, and
+`make test` sets ``ROLLPACKER_TEST_BUDGET_S`` (2400: CI gives a submission 90 minutes in all, and
 the suite must leave room for set-up and the tests still to come; the target is 25 minutes). When
 the whole run took longer, the session fails after its last test, naming the slowest tests (setup,
 call and teardown added up, so a slow module fixture is charged to the test that started it) and
