@@ -41,7 +41,7 @@ slow: setup
 # The gate (.ci/run): everything but the GPU tests, the slow ones included. The 30 slowest tests are
 # listed after every run, and a run over TEST_BUDGET_S fails naming them (tests/budget.py).
 # The target is 25 minutes of pytest on a fresh clone (28 measured with the models cached:
-# docs/testing.md); the budget leaves an empty model cache's warm-ups (~4-6 min) on top.
+# docs/testing.md); the budget leaves an empty model cache's warm-ups (~4 min) on top.
 TEST_BUDGET_S ?= 2400
 # Two pytest-xdist workers: the slow modules in two units, one module after another on each worker
 # side by side, the fast ones filling the gaps (tests/conftest.py groups them); a test marked `alone`
