@@ -50,7 +50,8 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: setup
 	$(MAKE) lint typecheck
-	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) $(VENV)/bin/pytest -q -m "not gpu" --durations=30 \
+	ROLLPACKER_TEST_BUDGET_S=$(TEST_BUDGET_S) ROLLPACKER_TEST_TIMELINE=build/test-timeline.json \
+		$(VENV)/bin/pytest -q -m "not gpu" --durations=30 \
 		-n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The main job: the embedded default experiment (configs/experiment.yaml: tiny model, mixed tasks,

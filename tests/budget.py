@@ -12,10 +12,15 @@ gets proportionally more: a fixed CPU-bound probe is timed at the start and at t
 and the budget is stretched by how much slower the slower of the two ran than ``REFERENCE_S``
 (never shrunk, at most ``MAX_STRETCH``x). A suite that grows fails on any machine; a slow machine
 alone does not fail it.
+
+With ``ROLLPACKER_TEST_TIMELINE`` set to a path (`make test`: build/test-timeline.json) the run also
+writes every test phase's worker, start and stop there, and prints each worker's busy time: where
+a worker sat idle, waited on the CPU lock or ran the run's last test alone shows there.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections import defaultdict
@@ -24,6 +29,7 @@ from collections.abc import Callable
 import pytest
 
 BUDGET_ENV = "ROLLPACKER_TEST_BUDGET_S"
+TIMELINE_ENV = "ROLLPACKER_TEST_TIMELINE"
 SHOWN = 15
 REFERENCE_S = 0.195  # `probe()` on the machine the budget was set on (idle: 0.187-0.204 s)
 MAX_STRETCH = 1.5
@@ -53,9 +59,35 @@ class Budget:
         self.start = time.monotonic()
         self.probe_s = probe_s if probe_s is not None else probe()
         self.spent: defaultdict[str, float] = defaultdict(float)
+        self.phases: list[dict[str, object]] = []
 
     def record(self, report: pytest.TestReport) -> None:
         self.spent[report.nodeid] += report.duration
+        gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's worker
+        self.phases.append(
+            {
+                "nodeid": report.nodeid,
+                "when": report.when,
+                "worker": getattr(gateway, "id", "master"),
+                "start": report.start,
+                "stop": report.stop,
+                "outcome": report.outcome,
+            }
+        )
+
+    def timeline(self, path: str) -> str:
+        """Writes the phases to ``path`` (JSON); returns a line of each worker's busy seconds."""
+        busy: defaultdict[str, float] = defaultdict(float)
+        for phase in self.phases:
+            busy[str(phase["worker"])] += float(phase["stop"]) - float(phase["start"])  # type: ignore[arg-type]
+        starts = [float(p["start"]) for p in self.phases]  # type: ignore[arg-type]
+        stops = [float(p["stop"]) for p in self.phases]  # type: ignore[arg-type]
+        span = (max(stops) - min(starts)) if self.phases else 0.0
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"span_s": span, "busy_s": dict(busy), "phases": self.phases}, f)
+        workers = ", ".join(f"{w} busy {s:.0f} s" for w, s in sorted(busy.items()))
+        return f"timeline: {path} ({workers} of {span:.0f} s from the first test to the last)"
 
     def verdict(self, elapsed_s: float, probe_s: float | None = None) -> str | None:
         """The failure message when the run went over budget; None when it kept to it.
@@ -109,10 +141,14 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if _budget is None:
         return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    timeline_path = os.environ.get(TIMELINE_ENV, "").strip()
+    if timeline_path and reporter is not None:
+        reporter.write("\n")
+        reporter.write_line(_budget.timeline(timeline_path))
     message = _budget.verdict(time.monotonic() - _budget.start, probe())
     if message is None:
         return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "over the time budget", red=True)
         reporter.write_line(message)

@@ -84,6 +84,19 @@ def unit_of(path: str, source: str) -> str | None:
     return SERIAL
 
 
+def alone_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The collected tests with every module that holds an ``alone`` test moved to the front (the
+    order kept otherwise). A unit runs its tests in collection order, so its ``alone`` tests start
+    early, while the other unit runs its first modules; late, they waited for whatever the other
+    unit ran then, a whole run of several minutes (measured: 371 s of waits in one suite run)."""
+    alone = {item.nodeid.split("::", 1)[0] for item in items if item.get_closest_marker("alone")}
+    return sorted(items, key=lambda item: item.nodeid.split("::", 1)[0] not in alone)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = alone_first(items)
+
+
 def scope_of(nodeid: str, root: Path, cache: dict[str, str]) -> str:
     """The unit of work a test belongs to: a serial unit's name, or its module's path."""
     path = nodeid.split("::", 1)[0]

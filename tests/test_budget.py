@@ -3,13 +3,23 @@ its last test and names the slowest tests; within it, or without the variable, n
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.budget import BUDGET_ENV, MAX_STRETCH, REFERENCE_S, Budget, budget_from_env, probe, stretch
+from tests.budget import (
+    BUDGET_ENV,
+    MAX_STRETCH,
+    REFERENCE_S,
+    TIMELINE_ENV,
+    Budget,
+    budget_from_env,
+    probe,
+    stretch,
+)
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]  # where the inner run imports tests.budget from
@@ -25,7 +35,7 @@ def test_fast():
 """
 
 
-def _run(pytester: pytest.Pytester, budget: str | None) -> pytest.RunResult:
+def _run(pytester: pytest.Pytester, budget: str | None, timeline: Path | None = None) -> pytest.RunResult:
     pytester.makeconftest('pytest_plugins = ["tests.budget"]\n')
     path = os.environ.get("PYTHONPATH", "")
     pytester._monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), path))))
@@ -34,6 +44,10 @@ def _run(pytester: pytest.Pytester, budget: str | None) -> pytest.RunResult:
         pytester._monkeypatch.delenv(BUDGET_ENV, raising=False)
     else:
         pytester._monkeypatch.setenv(BUDGET_ENV, budget)
+    if timeline is None:
+        pytester._monkeypatch.delenv(TIMELINE_ENV, raising=False)
+    else:
+        pytester._monkeypatch.setenv(TIMELINE_ENV, str(timeline))
     return pytester.runpytest_subprocess("-q")
 
 
@@ -53,6 +67,27 @@ def test_a_run_within_its_budget_or_without_one_passes(pytester: pytest.Pytester
     result = _run(pytester, budget)
     assert result.ret == pytest.ExitCode.OK
     assert "over the time budget" not in result.stdout.str()
+
+
+def test_the_timeline_has_every_phase_of_every_test_with_its_worker_and_times(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    path = tmp_path / "out" / "timeline.json"
+    result = _run(pytester, "600", timeline=path)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [f"timeline: {path} (master busy * s of * s from the first test to the last)"]
+    )
+    data = json.loads(path.read_text())
+    phases = {(p["nodeid"], p["when"]): p for p in data["phases"]}
+    assert set(phases) == {
+        (f"test_it.py::{t}", w) for t in ("test_slow", "test_fast") for w in ("setup", "call", "teardown")
+    }
+    slow = phases[("test_it.py::test_slow", "call")]
+    assert slow["worker"] == "master" and slow["outcome"] == "passed"
+    assert 0.3 <= slow["stop"] - slow["start"] < 30
+    assert phases[("test_it.py::test_fast", "setup")]["start"] >= slow["stop"]  # in the order run
+    assert data["busy_s"]["master"] >= 0.3 and data["span_s"] >= data["busy_s"]["master"] - 1e-6
 
 
 def test_a_bad_budget_is_refused_by_name() -> None:

@@ -10,7 +10,16 @@ import threading
 import time
 from pathlib import Path
 
-from tests.conftest import BESIDE_SANDBOX, SANDBOX_UNIT, SERIAL, CpuLock, scope_of, serial_module, unit_of
+from tests.conftest import (
+    BESIDE_SANDBOX,
+    SANDBOX_UNIT,
+    SERIAL,
+    CpuLock,
+    alone_first,
+    scope_of,
+    serial_module,
+    unit_of,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +67,34 @@ def test_the_real_tree_splits_the_slow_modules_into_the_two_units() -> None:
         assert (ROOT / entry).exists(), entry
         paths = [ROOT / entry] if entry.endswith(".py") else sorted((ROOT / entry).glob("test_*.py"))
         assert any(serial_module(entry, p.read_text()) for p in paths), entry
+
+
+class _Item:
+    def __init__(self, nodeid: str, alone: bool = False) -> None:
+        self.nodeid, self.alone = nodeid, alone
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return object() if name == "alone" and self.alone else None
+
+
+def test_the_modules_with_an_alone_test_run_first_and_the_order_is_kept_otherwise() -> None:
+    items = [
+        _Item("tests/a/test_1.py::test_x"),
+        _Item("tests/b/test_2.py::test_y"),
+        _Item("tests/c/test_3.py::test_before"),
+        _Item("tests/c/test_3.py::test_timed", alone=True),
+        _Item("tests/d/test_4.py::test_z"),
+        _Item("tests/e/test_5.py::test_timed[p]", alone=True),
+    ]
+    ordered = [i.nodeid for i in alone_first(items)]  # type: ignore[arg-type]
+    assert ordered == [
+        "tests/c/test_3.py::test_before",  # the whole module moves, its own order kept
+        "tests/c/test_3.py::test_timed",
+        "tests/e/test_5.py::test_timed[p]",
+        "tests/a/test_1.py::test_x",
+        "tests/b/test_2.py::test_y",
+        "tests/d/test_4.py::test_z",
+    ]
 
 
 def test_an_alone_test_waits_for_the_shared_holders_and_is_not_starved(tmp_path: Path) -> None:
