@@ -46,6 +46,7 @@ from rollpacker.core.config import (
 )
 from rollpacker.core.environ import environ_set
 from rollpacker.core.errors import ConfigError, RollpackerError, RunExistsError
+from rollpacker.core.fidelity import COMPARE_KEYS
 from rollpacker.core.placement import arm_gpus
 from rollpacker.core.redact import redact_uri
 from rollpacker.core.types import Runner, ServicesMode, parse_enum
@@ -64,7 +65,15 @@ from rollpacker.store.base import ObjectStore
 from rollpacker.store.state_store import StateStore
 from rollpacker.tasks.models import check_model, needs_toy_judge
 from rollpacker.tasks.prepare import prepare_arm
-from rollpacker.tracking import ExperimentTracker, compare, log_compare
+from rollpacker.tracking import (
+    LAG_KEY,
+    OFF_POLICY_KEY,
+    REWARD_KEY,
+    STEP_KEY,
+    ExperimentTracker,
+    compare,
+    log_compare,
+)
 
 
 @dataclass
@@ -454,6 +463,20 @@ def _check_rerun(
     )
 
 
+# the per-step metrics a TrainSummary carries (read back from the arm's MLflow run): what the
+# benchmarks that compare arms read from it, the off-policy degree and the engine/trainer mismatch
+# included (a key left out here reads as missing in every step, not as an error)
+SUMMARY_KEYS: tuple[str, ...] = (
+    REWARD_KEY,
+    "rollout/time_s",
+    STEP_KEY,
+    "train/samples",
+    LAG_KEY,
+    OFF_POLICY_KEY,
+    *COMPARE_KEYS,
+)
+
+
 def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: float = 0.0) -> TrainSummary:
     """An arm's outcome from its committed states, groups logs and MLflow run."""
     store = open_store(cfg.store)
@@ -464,7 +487,7 @@ def summarize_arm(cfg: ExperimentConfig, arm: str, steps_run: int = 0, wall_s: f
     tracker = ExperimentTracker(cfg.tracking_uri, cfg.experiment)
     val = tuple(tracker.metric_history(last.mlflow_run_id, "val/accuracy"))
     per_step: list[dict[str, float]] = [{} for _ in range(last.step + 1)]
-    for key in ("reward/mean", "rollout/time_s", "step/time_s", "train/samples"):
+    for key in SUMMARY_KEYS:
         for s, v in tracker.metric_history(last.mlflow_run_id, key):
             if 1 <= s <= len(per_step):
                 per_step[s - 1][key] = v

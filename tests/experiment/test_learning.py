@@ -46,6 +46,13 @@ def test_rl_raises_the_pass_rate_on_the_prompts_it_trains(tmp_path):
     text, cfg = train_config(f, {**over, "rollout.policy": policy})
     s = train_arm(text, progress=False)
     assert s.trained_samples == cfg.steps * 8 * 8 and s.exactly_once.ok
+    # the summary reads back what the benchmarks compare from the MLflow run: the off-policy degree
+    # (0: tail batching trains only tokens of the weights it trains from) and the engine/trainer
+    # mismatch (fp32 engine and trainer here: ~1e-8 measured)
+    assert len(s.step_metrics) == cfg.steps
+    for m in s.step_metrics:
+        assert m["train/policy_lag"] == 0.0 and m["train/off_policy_frac"] == 0.0, m
+        assert 0.0 <= m["mismatch/abs_logp_mean"] < 1e-3 and m["correction/masked_frac"] == 0.0, m
     states = StateStore(open_store(cfg.store), cfg.experiment, s.arm)
     kinds = [json.loads(states.get_blob(k, "groups.json"))["round_kind"] for k in range(cfg.steps)]
     assert set(kinds) == {"short", "long"}, kinds  # both kinds of round trained

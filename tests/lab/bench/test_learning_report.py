@@ -7,12 +7,13 @@ import pytest
 
 from rollpacker.core.accounting import PromptAccount
 from rollpacker.core.config import load_config, resolve_config
-from rollpacker.experiment import TrainSummary
+from rollpacker.experiment import SUMMARY_KEYS, TrainSummary
 from rollpacker.lab.bench.learning import (
     ARMS,
     _aggregate,
     _arm_record,
     _band,
+    _curve,
     criteria,
     log_to_mlflow,
     plot,
@@ -86,6 +87,17 @@ def test_each_run_reports_the_off_policy_lag_of_its_trained_tokens() -> None:
     assert agg["policy_lag_mean"] == pytest.approx(0.5) and agg["off_policy_frac_mean"] == pytest.approx(0.05)
     rep = {"runs": [rec], "per_arm": {"sorted_partial": agg}}
     assert "lag 0.50, off-policy 5%" in render(rep)
+
+
+def test_a_metric_the_summary_does_not_read_back_is_refused_not_reported_as_missing() -> None:
+    once = PromptAccount(prompts_trained=16, trained_twice=(), deferred_total=0, deferred_lost=(), waiting=0)
+    steps = ({"mismatch/abs_logp_mean": 2e-4, "correction/truncated_frac": 0.1},)
+    s = TrainSummary("tis", "r1", 1, 1, 8, ((0, 0.3),), 9.0, "file://x", "sqlite://", once, steps)
+    rec = _arm_record("tis", 0, s)
+    assert rec["mismatch_curve"] == [2e-4] and rec["corrected_frac_curve"] == [pytest.approx(0.1)]
+    with pytest.raises(KeyError, match="SUMMARY_KEYS"):
+        _curve(s, "train/not_read_back", 0.0)
+    assert {"train/policy_lag", "mismatch/abs_logp_mean", "correction/masked_frac"} <= set(SUMMARY_KEYS)
 
 
 def test_band_is_mean_min_max_over_seeds_at_common_steps() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rollpacker.core.errors import ConfigError
-from rollpacker.experiment import TrainSummary, train_arm, train_config
+from rollpacker.experiment import SUMMARY_KEYS, TrainSummary, train_arm, train_config
 from rollpacker.lab.bench.tables import legend, wrap
 
 # arm -> the config keys it sets (every other key comes from the shared config)
@@ -163,17 +163,21 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
         "val_accuracy_end": s.val_accuracy[-1][1] if s.val_accuracy else float("nan"),
         "val_curve": [list(x) for x in s.val_accuracy],
         "wall_s": s.wall_s,
-        "rollout_s": sum(m.get("rollout/time_s", 0.0) for m in s.step_metrics),
-        "step_s_mean": statistics.fmean(m.get("step/time_s", 0.0) for m in s.step_metrics),
-        "reward_curve": [m.get("reward/mean", float("nan")) for m in s.step_metrics],
+        "rollout_s": sum(_curve(s, "rollout/time_s", 0.0)),
+        "step_s_mean": statistics.fmean(_curve(s, "step/time_s", 0.0)),
+        "reward_curve": _curve(s, "reward/mean", float("nan")),
         # the off-policy degree of the trained tokens, step means over the run (0 when on-policy)
         "policy_lag_mean": _step_mean(s, "train/policy_lag"),
         "off_policy_frac_mean": _step_mean(s, "train/off_policy_frac"),
         # the engine/trainer mismatch per step, and the share of tokens the correction changed
-        "mismatch_curve": [m.get("mismatch/abs_logp_mean", float("nan")) for m in s.step_metrics],
+        "mismatch_curve": _curve(s, "mismatch/abs_logp_mean", float("nan")),
         "corrected_frac_curve": [
-            m.get("correction/truncated_frac", 0.0) + m.get("correction/masked_frac", 0.0)
-            for m in s.step_metrics
+            a + b
+            for a, b in zip(
+                _curve(s, "correction/truncated_frac", 0.0),
+                _curve(s, "correction/masked_frac", 0.0),
+                strict=True,
+            )
         ],
         "exactly_once": {
             "ok": once.ok,
@@ -186,8 +190,17 @@ def _arm_record(arm: str, seed: int, s: TrainSummary) -> dict[str, Any]:
     }
 
 
+def _curve(s: TrainSummary, key: str, missing: float) -> list[float]:
+    """The metric ``key`` at each step of the run (``missing`` where a step did not log it). Only a
+    key the summary reads back (``SUMMARY_KEYS``) is there at all: any other would read as missing
+    at every step, a curve of NaN or a mean of 0 that looks measured, so it is refused."""
+    if key not in SUMMARY_KEYS:
+        raise KeyError(f"{key!r} is not read back into a run's summary: add it to experiment.SUMMARY_KEYS")
+    return [m.get(key, missing) for m in s.step_metrics]
+
+
 def _step_mean(s: TrainSummary, key: str) -> float:
-    return statistics.fmean(m.get(key, 0.0) for m in s.step_metrics) if s.step_metrics else 0.0
+    return statistics.fmean(_curve(s, key, 0.0)) if s.step_metrics else 0.0
 
 
 def _aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
