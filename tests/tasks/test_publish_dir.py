@@ -4,6 +4,10 @@ volume) is built once: the second waits for the first's lock and takes its resul
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,3 +67,40 @@ def test_an_incomplete_entry_is_built_again_and_none_means_rebuild(tmp_path: Pat
     assert calls == ["b"]
     publish_dir(out, build)  # no completeness check (force): built again
     assert calls == ["b", "b"]
+
+
+KILLED_BUILDER = """
+import sys, time
+from pathlib import Path
+from rollpacker.tasks.tiny_model import publish_dir
+
+def build(tmp):
+    (tmp / "weights").write_text("half")
+    print("building", flush=True)
+    time.sleep(60)
+
+publish_dir(Path(sys.argv[1]), build, lambda d: (d / "done.json").is_file())
+"""
+
+
+def test_a_killed_builders_temporary_is_removed_by_the_next_build_of_its_entry_only(tmp_path: Path) -> None:
+    out = tmp_path / "models" / "warm-x-123"
+    other = tmp_path / "models" / "warm-x-1234.tmp-abc"  # another entry's name: not this one's leftover
+    other.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_BUILDER, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "building"
+        os.kill(proc.pid, signal.SIGKILL)  # mid-build: no cleanup runs
+    finally:
+        proc.wait(30)
+    (left,) = [p.name for p in out.parent.glob("warm-x-123.tmp-*")]  # what a killed warm-up leaves
+
+    def build(tmp: Path) -> None:
+        (tmp / "done.json").write_text("{}")
+
+    assert publish_dir(out, build, _marker) == out and _marker(out)
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted(
+        ["warm-x-123", "warm-x-123.lock", other.name]
+    ), left

@@ -182,13 +182,20 @@ def publish_dir(
     for the first and, when ``complete(out)`` then holds, returns the first one's result instead of
     building it again, and never replaces a directory another process has published and may read.
     ``complete``: whether ``out`` is a whole entry (its marker file); None: build whatever is there.
+
+    A builder that was killed (SIGKILL, a lost pod) leaves its temporary sibling behind; a builder
+    holds the lock for as long as its temporary exists, so whatever ``<name>.tmp-*`` is there when
+    the lock is taken is such a leftover, and is removed (a warm-up's is the size of the model).
     """
     import fcntl
+    import glob
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
+            for stale in out.parent.glob(glob.escape(out.name) + ".tmp-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             if complete is not None and complete(out):
                 return out
             tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
