@@ -145,6 +145,11 @@ CASES: list[tuple[str, list[str], str]] = [
     ),
     ("lab bench planner on cuda", ["lab", "bench", "planner", "--config", "{cuda_yaml}"], CUDA_ENGINE),
     ("lab profile on cuda", ["lab", "profile", "--config", "{cuda_yaml}"], CUDA_ENGINE),
+    ("lab soak", ["lab", "soak", "--steps", "4", *TP3], f"tp = 3 {HEADS}"),
+    ("lab soak on cuda", ["lab", "soak", "--steps", "4", *CUDA], CUDA_ENGINE),
+    ("lab chaos, an arm", ["lab", "chaos", "--arms", "sync,tail-batching"], "arms[1] = 'tail-batching'"),
+    ("lab chaos, a task", ["lab", "chaos", "--task", "synthetic-code"], "did you mean 'synthetic_code'"),
+    ("train, a task", ["train", "--set", "task.name=humaneval.json"], "task.name = 'humaneval.json'"),
 ]
 
 # the environment per case (every other case: CUDA_VISIBLE_DEVICES="", no GPU, whatever the

@@ -122,6 +122,18 @@ def test_task_config_refuses_uris_that_are_not_store_datasets(name: str) -> None
         TaskConfig(name=name)
 
 
+def test_task_config_refuses_a_name_that_is_no_task_and_no_dataset_file() -> None:
+    """At load time (every command that reads a config), not when the plan stage loads the task."""
+    with pytest.raises(
+        ConfigError, match=r"task.name = 'synthetic-code': not a task \(did you mean 'synthetic_code'\?\)"
+    ):
+        TaskConfig(name="synthetic-code")
+    with pytest.raises(ConfigError, match=r"ending in \.jsonl or \.jsonl\.gz"):
+        TaskConfig(name="data/train.json")
+    for ok in ("humaneval", "mixed", "data/train.jsonl", "/abs/d.jsonl.gz", "file:///d/x.jsonl"):
+        assert TaskConfig(name=ok).name == ok
+
+
 def test_load_task_refuses_a_uri_and_says_it_goes_through_the_store() -> None:
     assert TaskConfig(name="s3://rollpacker/data/train.jsonl").name.startswith("s3://")
     with pytest.raises(ConfigError, match=r"read through the store"):

@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import os
@@ -35,6 +36,7 @@ from rollpacker.core.errors import ConfigError
 from rollpacker.core.fidelity import RolloutCorrectionConfig, SyncProbeConfig
 from rollpacker.core.planner import PlannerConfig
 from rollpacker.core.scaledown import ScaleDownConfig
+from rollpacker.core.tasks import BUILTIN_TASKS, FILE_SUFFIXES
 from rollpacker.core.timeout import TimeoutConfig
 
 # the registered objectives (rollpacker.trainers.objectives; a test keeps the two equal)
@@ -578,6 +580,17 @@ class TaskConfig:
             raise ConfigError(
                 f"task.name = {self.name!r}: a dataset URI is s3://<store.bucket>/<key>.jsonl (or .jsonl.gz) "
                 "in the experiment's store"
+            )
+        if (
+            "://" not in self.name
+            and self.name not in BUILTIN_TASKS
+            and not self.name.endswith(FILE_SUFFIXES)
+        ):
+            close = difflib.get_close_matches(self.name, BUILTIN_TASKS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"task.name = {self.name!r}: not a task{hint}; choose one of {', '.join(BUILTIN_TASKS)}, or "
+                f"give a dataset file ending in {' or '.join(FILE_SUFFIXES)} (format: docs/tasks.md)"
             )
 
 

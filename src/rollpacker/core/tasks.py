@@ -25,6 +25,10 @@ from typing import Any
 
 from rollpacker.core.errors import ConfigError
 
+# the tasks built in (``tasks.registry.load_task``); any other ``task.name`` is a dataset file
+BUILTIN_TASKS: tuple[str, ...] = ("synthetic_math", "synthetic_code", "mixed", "humaneval")
+FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz")
+
 
 class RewardKind(enum.Enum):
     MATH = "math"

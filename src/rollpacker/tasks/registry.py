@@ -28,10 +28,9 @@ import dataclasses
 import difflib
 
 from rollpacker.core.errors import ConfigError
-from rollpacker.core.tasks import RewardKind, TaskExample
+from rollpacker.core.tasks import BUILTIN_TASKS, FILE_SUFFIXES, RewardKind, TaskExample
 
-BUILTIN_TASKS: tuple[str, ...] = ("synthetic_math", "synthetic_code", "mixed", "humaneval")
-FILE_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz")
+__all__ = ["BUILTIN_TASKS", "FILE_SUFFIXES", "load_task", "mixed_tasks"]
 
 
 def load_task(

@@ -58,6 +58,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from rollpacker.core.errors import ConfigError
@@ -140,9 +141,67 @@ def chaos_config(
     """A small config on the local services (``svc``): tiny model, 4 prompts x 2 responses; with
     ``devices`` the rollout runs on engine layouts of that many CPU devices (TP 1 only), each
     replica's vLLM engine core a process of its own (what the ``engine-core`` kind kills)."""
+    path.write_text(chaos_config_text(svc, experiment, steps, arms, task, devices))
+    return path
+
+
+# where the services will be, for the checks made before any is started (nothing connects to them)
+_UNSTARTED = SimpleNamespace(
+    tracking_uri="http://127.0.0.1:1",
+    s3_endpoint="127.0.0.1:1",
+    bucket="chaos",
+    ray_address="127.0.0.1:1",
+)
+
+
+def check_chaos(
+    steps: int,
+    n_faults: int,
+    seed: int,
+    arms: Sequence[str],
+    task: str,
+    ref_runner: str = "inline",
+    kinds: Sequence[str] | None = None,
+    devices: int = 0,
+) -> None:
+    """``ConfigError`` for a chaos run that could not run as asked, before any service, warm-up or
+    output: its settings, its fault schedule, and the config it would run (the arms' policies, the
+    task, the model against the config, the engines against this machine)."""
+    from rollpacker.core.config import arm_config, config_from_text
+    from rollpacker.engines.gpus import check_machine
+    from rollpacker.tasks.models import check_model
+
+    if steps < 4:
+        raise ConfigError(f"--steps {steps}: the chaos suite needs at least 4 steps")
+    if ref_runner not in ("inline", "kfp"):
+        raise ConfigError(f"--ref-runner {ref_runner!r}: use 'inline' or 'kfp'")
+    unknown = sorted(set(kinds or ()) - set(KINDS))
+    if unknown:
+        raise ConfigError(f"--kinds: unknown fault kind(s) {unknown}; known: {', '.join(KINDS)}")
+    if devices < 0 or devices > len(os.sched_getaffinity(0)):
+        raise ConfigError(
+            f"--devices {devices}: this machine offers {len(os.sched_getaffinity(0))} CPU devices; "
+            "use 0 (one in-process engine) up to that"
+        )
+    if "engine-core" in (kinds or ()) and not devices:
+        raise ConfigError(
+            "--kinds engine-core: an engine core of its own needs engine layouts; add --devices 1"
+        )
+    schedule(seed, steps, n_faults, list(arms), list(kinds or KINDS))
+    text = chaos_config_text(_UNSTARTED, "chaos-check", steps, arms, task, devices)
+    config_from_text(text, where="the chaos run's config (--arms, --task, --devices)")
+    for arm in arms:
+        arm_cfg = arm_config(text, arm)
+        check_model(arm_cfg)
+        check_machine(arm_cfg)
+
+
+def chaos_config_text(
+    svc: Any, experiment: str, steps: int, arms: Sequence[str], task: str, devices: int = 0
+) -> str:
+    """The text of ``chaos_config``."""
     layouts = f"devices: {devices}, max_tp: 1, " if devices else ""
-    path.write_text(
-        f"""
+    return f"""
 experiment: {experiment}
 steps: {steps}
 arms: [{", ".join(arms)}]
@@ -157,8 +216,6 @@ planner: {{{layouts}profile_batches: [1, 8], profile_contexts: [16, 64], profile
 reward: {{sandbox: {{t_min_s: 0.5, t_max_s: 3.0}}}}
 validation: {{every: 1000, max_tokens: 32}}
 """
-    )
-    return path
 
 
 # -- the fault controller ----------------------------------------------------------------------------
@@ -295,23 +352,7 @@ def run_chaos(
     from rollpacker import devservices
     from rollpacker.core.config import load_config
 
-    if steps < 4:
-        raise ConfigError(f"--steps {steps}: the chaos suite needs at least 4 steps")
-    if ref_runner not in ("inline", "kfp"):
-        raise ConfigError(f"--ref-runner {ref_runner!r}: use 'inline' or 'kfp'")
-    unknown = sorted(set(kinds or ()) - set(KINDS))
-    if unknown:
-        raise ConfigError(f"--kinds: unknown fault kind(s) {unknown}; known: {', '.join(KINDS)}")
-    if devices < 0 or devices > len(os.sched_getaffinity(0)):
-        raise ConfigError(
-            f"--devices {devices}: this machine offers {len(os.sched_getaffinity(0))} CPU devices; "
-            "use 0 (one in-process engine) up to that"
-        )
-    if "engine-core" in (kinds or ()) and not devices:
-        raise ConfigError(
-            "--kinds engine-core: an engine core of its own needs engine layouts; add --devices 1"
-        )
-    schedule(seed, steps, n_faults, list(arms), list(kinds or KINDS))  # refuses before anything starts
+    check_chaos(steps, n_faults, seed, arms, task, ref_runner, kinds, devices)  # before anything starts
     out_dir = out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

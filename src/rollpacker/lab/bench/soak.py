@@ -248,9 +248,12 @@ def object_bytes(store: Any, key: str) -> int:
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def soak_config(config_path: Path, overrides: dict[str, object], steps: int, out_dir: Path) -> str:
+def soak_config(
+    config_path: Path, overrides: dict[str, object], steps: int, out_dir: Path, make_store: bool = True
+) -> str:
     """The single-arm config text of a soak: the small overrides, then the caller's, ``steps``,
-    and, unless the overrides name them, the state and MLflow under ``out_dir``."""
+    and, unless the overrides name them, the state and MLflow under ``out_dir`` (its store's
+    directory made unless ``make_store`` is False). The config is checked as ``train`` checks it."""
     from rollpacker.experiment import train_config
 
     merged: dict[str, object] = {
@@ -261,8 +264,31 @@ def soak_config(config_path: Path, overrides: dict[str, object], steps: int, out
         **overrides,
         "steps": steps,
     }
-    text, _ = train_config(config_path, merged, run_name="soak")
+    text, _ = train_config(config_path, merged, run_name="soak", make_store=make_store)
     return text
+
+
+def check_soak(
+    config_path: Path,
+    steps: int,
+    out_dir: Path,
+    overrides: dict[str, object] | None = None,
+    services: str = "inline",
+    warmup: int | None = None,
+) -> tuple[str, int]:
+    """``ConfigError`` for a soak that could not run as asked, before any service, warm-up or
+    output (its settings, and its config as ``train`` checks it); else its config text and the
+    steps before growth is measured."""
+    from rollpacker.core.errors import ConfigError
+
+    if services not in ("inline", "ray"):
+        raise ConfigError(f"--services {services!r}: use 'inline' (this process) or 'ray' (actors)")
+    if steps < 2:
+        raise ConfigError(f"--steps {steps}: a soak needs at least 2 steps")
+    warm = warmup if warmup is not None else steps // 4
+    if not 0 <= warm < steps - 1:
+        raise ConfigError(f"--warmup {warm}: must leave at least 2 steps after it (of {steps})")
+    return soak_config(config_path, overrides or {}, steps, out_dir, make_store=False), warm
 
 
 def _raylet_descendants(address: str) -> list[Any] | None:
@@ -294,7 +320,6 @@ def run_soak(
 ) -> SoakReport:
     """Run ``steps`` fresh steps and sample after each (see the module docstring)."""
     from rollpacker.core.config import config_from_text
-    from rollpacker.core.errors import ConfigError
     from rollpacker.core.types import ServicesMode
     from rollpacker.experiment import reset_arms
     from rollpacker.services.registry import ServiceRegistry
@@ -303,13 +328,7 @@ def run_soak(
     from rollpacker.tasks.prepare import prepare_arm
     from rollpacker.tracking import ExperimentTracker
 
-    if services not in ("inline", "ray"):
-        raise ConfigError(f"--services {services!r}: use 'inline' (this process) or 'ray' (actors)")
-    if steps < 2:
-        raise ConfigError(f"--steps {steps}: a soak needs at least 2 steps")
-    warm = warmup if warmup is not None else steps // 4
-    if not 0 <= warm < steps - 1:
-        raise ConfigError(f"--warmup {warm}: must leave at least 2 steps after it (of {steps})")
+    _, warm = check_soak(config_path, steps, out_dir, overrides, services, warmup)
     text = soak_config(config_path, overrides or {}, steps, out_dir)
     cfg = config_from_text(text)
     (arm,) = cfg.arm_names

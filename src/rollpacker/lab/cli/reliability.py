@@ -45,9 +45,10 @@ def soak_cmd(
     100 steps (docs/operations.md, "Soak"). Exits 1 when a series grows past --max-growth-pct or a
     garbage-collected part of the store is not bounded."""
     from rollpacker.core.paths import writable_dir, writable_file
-    from rollpacker.lab.bench.soak import render, run_soak
+    from rollpacker.lab.bench.soak import check_soak, render, run_soak
     from rollpacker.logs import library_output_to
 
+    check_soak(config_path(config), steps, out_dir, parse_sets(set_), services, warmup)  # before any output
     out = writable_file(out)
     out_dir = writable_dir(out_dir, "--out-dir")
     with library_output_to(out_dir / "soak.log"):
@@ -95,9 +96,10 @@ def chaos_cmd(
     fault was recovered within the run, no prompt was lost or trained twice, the state matches a
     fault-free run, and nothing was left behind (docs/operations.md, "Chaos"). Exits 1 otherwise."""
     from rollpacker.core.paths import writable_dir, writable_file
-    from rollpacker.lab.bench.chaos import render, run_chaos
+    from rollpacker.lab.bench.chaos import check_chaos, render, run_chaos
     from rollpacker.logs import library_output_to
 
+    check_chaos(steps, faults, seed, comma_list(arms), task, ref_runner, comma_list(kinds) or None, devices)
     out = writable_file(out)
     out_dir = writable_dir(out_dir, "--out-dir")
     with library_output_to(out_dir / "chaos.log"):
