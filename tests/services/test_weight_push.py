@@ -6,6 +6,7 @@ falls back to the object store."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ class _Engine:
         self.loaded: dict[str, torch.Tensor] = {}
         self.by_store: list[int] = []
         self.broken = False
+        self.receive_error: tuple[Exception, float] | None = None
 
     def weight_peer(self, port: int) -> WeightPeer:
         if self.broken:
@@ -41,7 +43,12 @@ class _Engine:
 
     def receive_weights(self, policy_version: int, checkpoint_uri: str) -> WeightPush:
         got: dict[str, torch.Tensor] = {}
-        r = wt.receive(self.pg, torch.device("cpu"), lambda b: got.update({n: t.clone() for n, t in b}))
+        t0 = time.monotonic()
+        try:
+            r = wt.receive(self.pg, torch.device("cpu"), lambda b: got.update({n: t.clone() for n, t in b}))
+        except Exception as e:  # what the engine saw, and after how long
+            self.receive_error = (e, time.monotonic() - t0)
+            raise
         self.loaded = got
         return WeightPush(r.seconds, 1, r.buckets, r.payload_bytes)
 
@@ -88,10 +95,42 @@ def test_the_update_is_pushed_by_collective_once_a_group_is_up_and_by_the_store_
             svc.begin(f"a{step + 1}", state, base)
             svc._attempt = "a0"  # the next finish is this attempt's again
         assert peers.engine.inits == 1 and peers.engine.by_store == []  # one group, reused
-        peers.engine.broken = True  # no engine can receive: the object store takes the push
+
+        # a send that fails half-way (the engine already waits in the group for the first bucket):
+        # the group is closed, so the engine's receive fails at once, not at the group's timeout
+        # (600 s), and the push goes through the object store
+        real_send = wt.send
+
+        def failing_send(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.5)  # the engine's receive is waiting
+            raise RuntimeError("the trainer's device failed mid-push")
+
+        monkeypatch.setattr(wt, "send", failing_send)
         svc.submit("a0", "g2", _group("g2", 2))
+        t0 = time.monotonic()
         r = svc.finish("a0", 2, ("g2",), "t/ckpt/s2/", "t/batch/s2")
+        assert time.monotonic() - t0 < 60, "the failed push waited for the group's timeout"
         assert peers.engine.by_store == [r.policy_version] and r.metrics["sync/collective"] == 0.0
+        deadline = time.monotonic() + 90
+        while peers.engine.receive_error is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert peers.engine.receive_error is not None, "the engine's receive still waits in the group"
+        assert peers.engine.receive_error[1] < 30, peers.engine.receive_error
+        monkeypatch.setattr(wt, "send", real_send)
+        state = state.successor(checkpoint_uri=r.checkpoint_uri, policy_version=r.policy_version)
+        svc.begin("a3", state, base)
+        svc._attempt = "a0"
+        svc.submit("a0", "g3", _group("g3", 3))
+        r = svc.finish("a0", 3, ("g3",), "t/ckpt/s3/", "t/batch/s3")  # a new group, by collective
+        assert peers.engine.inits == 2 and r.metrics["sync/collective"] == 1.0
+        state = state.successor(checkpoint_uri=r.checkpoint_uri, policy_version=r.policy_version)
+        svc.begin("a4", state, base)
+        svc._attempt = "a0"
+
+        peers.engine.broken = True  # no engine can receive: the object store takes the push
+        svc.submit("a0", "g4", _group("g4", 4))
+        r = svc.finish("a0", 4, ("g4",), "t/ckpt/s4/", "t/batch/s4")
+        assert peers.engine.by_store == [3, r.policy_version] and r.metrics["sync/collective"] == 0.0
     finally:
         svc.close()
 

@@ -419,22 +419,32 @@ class TrainerService(Service, TrainerAPI):
         from rollpacker.engines import weight_transfer as wt
 
         rollout = self.peers.rollout()
+        # not a `with`: its exit would wait for the engine's receive, which a failed send leaves
+        # blocked in the group until the group's timeout (600 s); the group is let go first instead
+        ex = ThreadPoolExecutor(max_workers=1)
+        error = ""
         try:
             peer = rollout.weight_peer(self._wt[1] if self._wt is not None else 0)
             if self._wt is None or not peer.joined:
                 self._wt = self._open_transfer(peer.workers)
-            with ThreadPoolExecutor(max_workers=1) as ex:
-                got = ex.submit(rollout.receive_weights, self.trainer.policy_version, uri)
-                if self._wt[0] is None:  # the megatron gang: each stage's (tp 0, dp 0) rank sends
-                    sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
-                else:
-                    named = self.trainer.weights()
-                    sent = wt.send(self._wt[0], named, _bucket_bytes(self.cfg), self.trainer.device)
-                push = got.result(timeout=self.cfg.services.call_timeout_s)
+            got = ex.submit(rollout.receive_weights, self.trainer.policy_version, uri)
+            if self._wt[0] is None:  # the megatron gang: each stage's (tp 0, dp 0) rank sends
+                sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
+            else:
+                named = self.trainer.weights()
+                sent = wt.send(self._wt[0], named, _bucket_bytes(self.cfg), self.trainer.device)
+            push = got.result(timeout=self.cfg.services.call_timeout_s)
         except Exception as e:
+            error = f"{type(e).__name__}: {e}"  # the text only: the traceback's frames hold the group
+        finally:
+            ex.shutdown(wait=False)
+        if error:
+            # the last reference to this end of the group: its connections close as it goes, and the
+            # engine's receive fails within a second instead of at the group's timeout (gloo's
+            # abort() and shutdown() close nothing: measured, the peer still waited 20 s later)
             self._wt = None
             log.warning(
-                "trainer: the collective weight push failed (%s); pushing through the object store", e
+                "trainer: the collective weight push failed (%s); pushing through the object store", error
             )
             return None
         if push.payload_bytes != sent.payload_bytes:
