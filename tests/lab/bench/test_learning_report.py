@@ -109,6 +109,12 @@ def test_plot_and_mlflow_run(tmp_path) -> None:
     rep = _report()
     (png,) = plot(rep, tmp_path / "learning.png")
     assert png.stat().st_size > 10_000
+    # the engine/trainer mismatch gets a third panel once a run measured it
+    from PIL import Image
+
+    measured = {**rep, "runs": [{**r, "mismatch_curve": [2e-4, 3e-4]} for r in rep["runs"]]}
+    (wide,) = plot(measured, tmp_path / "learning-mismatch.png")
+    assert Image.open(wide).size[0] > 1.4 * Image.open(png).size[0]
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     run_id = log_to_mlflow(rep, [png], uri, "bench-test")
     from mlflow.tracking import MlflowClient

@@ -275,21 +275,33 @@ def _band(curves: list[list[tuple[int, float]]]) -> tuple[list[int], list[float]
     return common, [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
+def _measured(curve: list[float]) -> bool:
+    return any(x == x for x in curve)  # a value that is not NaN
+
+
 def plot(report: dict[str, Any], out: Path) -> list[Path]:
-    """Reward per step and held-out accuracy per step: each arm's mean over seeds, min-max band."""
+    """Reward per step and held-out accuracy per step: each arm's mean over seeds, min-max band;
+    and the engine/trainer mismatch per step (``mismatch/abs_logp_mean``, log scale) when the runs
+    measured it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mismatch = any(_measured(r.get("mismatch_curve", [])) for r in report["runs"])
+    fig, axes = plt.subplots(1, 3 if mismatch else 2, figsize=(18 if mismatch else 12, 4.5))
+    ax_r, ax_v = axes[0], axes[1]
     for arm in dict.fromkeys(r["arm"] for r in report["runs"]):
         runs = [r for r in report["runs"] if r["arm"] == arm]
         color = COLORS.get(arm, "gray")
         label = f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
         rewards = [list(enumerate(r["reward_curve"], start=1)) for r in runs]
         vals = [[(int(x), float(y)) for x, y in r["val_curve"]] for r in runs]
-        for ax, curves, marker in ((ax_r, rewards, None), (ax_v, vals, "o")):
+        panels = [(ax_r, rewards, None), (ax_v, vals, "o")]
+        if mismatch:
+            gaps = [list(enumerate(r.get("mismatch_curve", []), start=1)) for r in runs]
+            panels.append((axes[2], [g for g in gaps if _measured([y for _, y in g])], None))
+        for ax, curves, marker in panels:
             xs, mean, lo, hi = _band(curves)
             if xs:
                 ax.plot(xs, mean, color=color, marker=marker, label=label)
@@ -298,6 +310,13 @@ def plot(report: dict[str, Any], out: Path) -> list[Path]:
     ax_v.set(
         xlabel="RL step", ylabel="held-out accuracy", title="held-out accuracy (band: min-max over seeds)"
     )
+    if mismatch:
+        axes[2].set(
+            xlabel="RL step",
+            ylabel="mean |logp_trainer - logp_rollout| (nats)",
+            title="engine/trainer mismatch of the trained tokens",
+            yscale="log",
+        )
     ax_r.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
