@@ -1,17 +1,22 @@
 """`rollpacker run` interrupted (Ctrl-C's SIGINT, or SIGKILL) during its set-up, the warm-up, a step
-and the compare; the same command then continues and finishes with the right result. Two runs of
-the test: SIGINT, SIGKILL, SIGINT, SIGKILL at those points, and the other way round (that one with
-``ROLLPACKER_TEST_INTERRUPTS=all``: the suite's time budget holds one).
+and the compare; the same command then continues and finishes with the right result. Under the
+KFP runner (what `make run-experiment` runs: every stage a ``kfp.local`` task, a subprocess of the
+run, the services Ray actors of a real Ray head that outlive the run) and under the inline runner.
+Each signal order: SIGINT, SIGKILL, SIGINT, SIGKILL at those points, or the other way round. The
+gate runs the KFP runner in the first order; the others run with ``ROLLPACKER_TEST_INTERRUPTS=all``
+(the suite's time budget).
 
 Each run is the real CLI in a process of its own, with the state in a real S3 server (SeaweedFS),
-the metrics in a real MLflow store (SQLite), the stages and services of the inline runner, the
-real trainer and the real warm-up (an empty model cache). Only the engine is a stand-in:
-``engine.kind: simulated`` (engines/simulated.py), which starts at once where vLLM takes 1-3 min.
+the metrics in a real MLflow store (SQLite), the real trainer and the real warm-up (an empty model
+cache). Only the engine is a stand-in: ``engine.kind: simulated`` (engines/simulated.py), which
+starts at once where vLLM takes 1-3 min.
 
 The interrupts: at the set-up, the step and the compare through the hook points
 (``ROLLPACKER_STAGE_HOOK=rollpacker.testing.faults:kill_at``: the process signals itself, so the
-point is exact); during the warm-up from outside, as a user would, once the warm-up's directory
-is being written. After each the command is run again; after the last it finishes, and:
+point is exact; in a step, the stage's process signals its whole process group, the run's driver
+and, under KFP, the task's subprocess, as a terminal's Ctrl-C does); during the warm-up from
+outside, as a user would, once the warm-up's directory is being written. After each the command is
+run again; after the last it finishes, and:
 - each interrupted run exited on the signal (SIGINT: the usual 130 or Aborted, never a traceback
   or a hang; SIGKILL: -9) and the next one continued from the last committed step;
 - every arm's state chain holds (one commit and one optimizer update per step: nothing trained
@@ -35,7 +40,7 @@ import pytest
 
 from rollpacker import devservices
 from rollpacker.testing.chain import check_chain
-from rollpacker.testing.faults import HOOK
+from rollpacker.testing.faults import HOOK, SERVICES_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -45,10 +50,16 @@ RUN_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.Services]:
+def s3_and_ray(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devservices.Services]:
+    """S3 and a Ray head (the KFP runner's services are its actors); the inline runner ignores Ray."""
     root = tmp_path_factory.mktemp("interrupts")
     svc = devservices.up(
-        root, bucket="interrupts", mlflow=False, ray=False, seaweed_ports=devservices.SeaweedPorts.free()
+        root,
+        bucket="interrupts",
+        mlflow=False,
+        seaweed_ports=devservices.SeaweedPorts.free(),
+        ray_ports=devservices.RayPorts.free(),
+        timeout_s=120.0,
     )
     try:
         yield svc
@@ -79,18 +90,22 @@ validation: {{every: 100, max_tokens: 16}}
 class _Runs:
     """`rollpacker run` on one config, as a process; a fault spec (``faults.py``) per run."""
 
-    def __init__(self, svc: devservices.Services, tmp: Path, experiment: str) -> None:
+    def __init__(self, svc: devservices.Services, tmp: Path, experiment: str, runner: str) -> None:
         self.cfg = _config(svc, tmp, experiment)
         self.cwd, self.cache, self.marks = tmp, tmp / "cache", tmp / "marks"
         self.marks.mkdir()
+        self.runner = runner
         self.env = {**os.environ, **svc.env(), "ROLLPACKER_CACHE": str(self.cache)}
-        self.env.pop("RAY_ADDRESS", None)
+        if runner == "inline":  # services in the run's own process
+            self.env.pop("RAY_ADDRESS", None)
+        else:  # the services' actors die with the cluster, not with the test's runs
+            self.env[SERVICES_ENV] = str(svc.root)
         self.env["CUDA_VISIBLE_DEVICES"] = ""
 
     def start(self, fault: str = "") -> subprocess.Popen[str]:
         env = {**self.env, "ROLLPACKER_STAGE_HOOK": HOOK, "ROLLPACKER_FAULT_MARK": str(self.marks)}
         env["ROLLPACKER_FAULT"] = fault
-        cmd = [sys.executable, "-m", "rollpacker.cli", "run", "--runner", "inline", "--no-services"]
+        cmd = [sys.executable, "-m", "rollpacker.cli", "run", "--runner", self.runner, "--no-services"]
         return subprocess.Popen(
             [*cmd, "--config", str(self.cfg)],
             cwd=self.cwd,
@@ -129,26 +144,40 @@ def _at(point: str, step: int, sig: signal.Signals) -> str:
     return f"{point}{':SIGINT' if sig is signal.SIGINT else ''}@{step}"
 
 
-# each point gets SIGINT in one run of the test and SIGKILL in the other; the suite's budget holds
-# one (~65 s of CPU here), so the second runs with ROLLPACKER_TEST_INTERRUPTS=all
+def _group_at(point: str, step: int, sig: signal.Signals) -> str:
+    """The fault spec that signals the run's whole process group at a stage's hook point."""
+    return f"{point}:{'ctrl-c' if sig is signal.SIGINT else 'kill-run'}@{step}"
+
+
+# the gate runs the KFP runner (the user's path), SIGINT first (~100 s here); the other three
+# (~80-100 s each) with ROLLPACKER_TEST_INTERRUPTS=all: the suite's time budget
 ALL_ENV = "ROLLPACKER_TEST_INTERRUPTS"
-SWAPPED = pytest.mark.skipif(
-    os.environ.get(ALL_ENV) != "all", reason=f"the swapped signals run with {ALL_ENV}=all (suite budget)"
+NOT_GATED = pytest.mark.skipif(
+    os.environ.get(ALL_ENV) != "all", reason=f"runs with {ALL_ENV}=all (the suite's time budget)"
 )
 
 
 @pytest.mark.parametrize(
-    "first",
-    [signal.SIGINT, pytest.param(signal.SIGKILL, marks=SWAPPED)],
-    ids=lambda s: f"from-{s.name}",
+    ("runner", "first"),
+    [
+        ("kfp", signal.SIGINT),
+        pytest.param("kfp", signal.SIGKILL, marks=NOT_GATED),
+        pytest.param("inline", signal.SIGINT, marks=NOT_GATED),
+        pytest.param("inline", signal.SIGKILL, marks=NOT_GATED),
+    ],
+    ids=lambda v: v if isinstance(v, str) else f"from-{v.name}",
 )
 def test_run_interrupted_anywhere_continues_and_finishes(
-    first: signal.Signals, s3: devservices.Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runner: str,
+    first: signal.Signals,
+    s3_and_ray: devservices.Services,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for k, v in s3.env().items():  # the checks below read the store as the runs did
+    for k, v in s3_and_ray.env().items():  # the checks below read the store as the runs did
         monkeypatch.setenv(k, v)
-    experiment = f"interrupts-{first.name.lower()}"
-    runs = _Runs(s3, tmp_path, experiment)
+    experiment = f"interrupts-{runner}-{first.name.lower()}"
+    runs = _Runs(s3_and_ray, tmp_path, experiment, runner)
     other = signal.SIGKILL if first is signal.SIGINT else signal.SIGINT
 
     # 1. set-up (after the local checks, before the store, MLflow and the arms)
@@ -168,8 +197,9 @@ def test_run_interrupted_anywhere_continues_and_finishes(
     _interrupted(code, err, other)
     assert not list((runs.cache / "models").glob("warm-*/warmup.json"))  # no warm-up was published
 
-    # 3. a step: the sync arm's second step, after its update, before its commit
-    code, _, err = runs.run(_at("train", 1, first))
+    # 3. a step: the sync arm's second step, after its update, before its commit; the stage's
+    # process signals the run's whole group (under KFP: the task's subprocess and the driver)
+    code, _, err = runs.run(_group_at("train", 1, first))
     _interrupted(code, err, first)
     assert "[sync] committed through step -1; running 2 more step(s)" in err, err[-3000:]
 

@@ -10,6 +10,9 @@ store, MLflow and Ray, and ``compare`` after the comparison is read, before it i
 
 - no target: SIGKILL of the stage process at that point (after the point's delay);
 - ``SIGINT``: a SIGINT (Ctrl-C) to the stage process at that point, at once;
+- ``ctrl-c`` / ``kill-run``: a SIGINT / SIGKILL, at once, to the stage process's whole process
+  group: the run's driver and, under the KFP runner, the ``kfp.local`` task running the stage
+  (its subprocess), as a terminal's Ctrl-C or a ``kill -9`` of the run's group would;
 - ``RolloutService``, ``RewardService`` (both the reward and the judge service),
   ``TrainerService``, ...: at once, SIGKILL of every Ray actor process of that class
   (``ray::<Class>``);
@@ -54,6 +57,7 @@ ENGINE_CORE = "EngineCore"
 CONTROLLED = ("s3-restart", "mlflow-down", "node-down")
 SANDBOX_HANG = "sandbox-hang"
 INTERRUPT = "SIGINT"
+GROUP_SIGNALS = {"ctrl-c": signal.SIGINT, "kill-run": signal.SIGKILL}  # to the process group
 ACK_TIMEOUT_S = 90.0
 
 
@@ -75,6 +79,8 @@ def kill_at(point: str, step: int, delay_s: float = 0.0) -> None:
                 _start_watcher(mark_dir, spec, "_kill_busy_core")
             elif target == INTERRUPT:
                 os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: KeyboardInterrupt in the main thread
+            elif target in GROUP_SIGNALS:
+                os.killpg(os.getpgrp(), GROUP_SIGNALS[target])
             else:
                 _kill(target, delay_s)
 
