@@ -106,18 +106,20 @@ def test_an_alone_test_waits_for_the_shared_holders_and_is_not_starved(tmp_path:
 
     first_release, writer_release = threading.Event(), threading.Event()
 
+    # "out" is noted while the lock is still held: noted after the release, another holder's "in"
+    # could come first (seen once in a suite run) although the lock kept them apart
     def reader(name: str, release: threading.Event | None) -> None:
         with lock.hold(exclusive=False):
             note(f"{name} in")
             if release is not None:
                 release.wait(10)
-        note(f"{name} out")
+            note(f"{name} out")
 
     def writer() -> None:
         with lock.hold(exclusive=True):
             note("alone in")
             writer_release.wait(10)
-        note("alone out")
+            note("alone out")
 
     r1 = threading.Thread(target=reader, args=("r1", first_release))
     r1.start()
