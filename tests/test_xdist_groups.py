@@ -15,7 +15,7 @@ from tests.conftest import (
     SANDBOX_UNIT,
     SERIAL,
     CpuLock,
-    alone_first,
+    run_order,
     scope_of,
     serial_module,
     unit_of,
@@ -70,23 +70,25 @@ def test_the_real_tree_splits_the_slow_modules_into_the_two_units() -> None:
 
 
 class _Item:
-    def __init__(self, nodeid: str, alone: bool = False) -> None:
-        self.nodeid, self.alone = nodeid, alone
+    def __init__(self, nodeid: str, *marks: str) -> None:
+        self.nodeid, self.marks = nodeid, marks
 
     def get_closest_marker(self, name: str) -> object | None:
-        return object() if name == "alone" and self.alone else None
+        return object() if name in self.marks else None
 
 
-def test_the_modules_with_an_alone_test_run_first_and_the_order_is_kept_otherwise() -> None:
+def test_the_alone_modules_run_first_the_whole_runs_last_and_the_order_is_kept_otherwise() -> None:
     items = [
         _Item("tests/a/test_1.py::test_x"),
+        _Item("tests/w/test_run.py::test_whole_run", "e2e", "slow"),
         _Item("tests/b/test_2.py::test_y"),
         _Item("tests/c/test_3.py::test_before"),
-        _Item("tests/c/test_3.py::test_timed", alone=True),
+        _Item("tests/c/test_3.py::test_timed", "alone"),
         _Item("tests/d/test_4.py::test_z"),
-        _Item("tests/e/test_5.py::test_timed[p]", alone=True),
+        _Item("tests/v/test_run.py::test_other_run", "e2e"),
+        _Item("tests/e/test_5.py::test_timed[p]", "alone"),
     ]
-    ordered = [i.nodeid for i in alone_first(items)]  # type: ignore[arg-type]
+    ordered = [i.nodeid for i in run_order(items)]  # type: ignore[arg-type]
     assert ordered == [
         "tests/c/test_3.py::test_before",  # the whole module moves, its own order kept
         "tests/c/test_3.py::test_timed",
@@ -94,6 +96,8 @@ def test_the_modules_with_an_alone_test_run_first_and_the_order_is_kept_otherwis
         "tests/a/test_1.py::test_x",
         "tests/b/test_2.py::test_y",
         "tests/d/test_4.py::test_z",
+        "tests/w/test_run.py::test_whole_run",
+        "tests/v/test_run.py::test_other_run",
     ]
 
 

@@ -34,6 +34,7 @@ validation: {every: 100, temperature: 1.0, max_tokens: 512, split: train, sample
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # a whole 20-step run
 def test_rl_raises_the_pass_rate_on_the_prompts_it_trains(tmp_path):
     from rollpacker.experiment import train_arm, train_config
     from rollpacker.store import open_store
