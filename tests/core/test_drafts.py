@@ -121,6 +121,17 @@ def test_history_is_bounded_per_prompt_and_in_prompts() -> None:
     assert s.history_size("a") == 2 and s.history_size("b") == 0 and s.history_size("c") == 1
 
 
+def test_forgetting_the_history_leaves_the_running_groups() -> None:
+    s = _store()
+    s.remember("a", [[1, 2, 3]])
+    s.remember("b", [[7, 8, 9]])
+    s.append("r", "g", "a", [1, 2, 6, 7])
+    assert s.forget_history() == 2
+    assert s.history_size("a") == 0 and s.history_size("b") == 0
+    assert s.draft("x", "b", [7, 8], 1) == ([], None)  # no history to draft from
+    assert s.knows("r") and s.generated("r") == 4  # the running group stays
+
+
 def test_a_retired_group_becomes_history_and_its_requests_are_forgotten() -> None:
     s = _store()
     s.append("r0", "s1/p", "p", [4, 5, 6, 7])

@@ -406,3 +406,5 @@ def test_remembered_history_drafts_a_new_group_of_its_prompt(
     drafted = after.drafted_tokens - before.drafted_tokens
     # its own earlier response: nearly every draft right (the last may run past the end)
     assert drafted > 0 and (after.accepted_tokens - before.accepted_tokens) / drafted > 0.75
+    assert speculative.forget_drafts() >= 1 and proposer.store.history_size(p.prompt_id) == 0
+    assert plain.forget_drafts() == 0

@@ -32,6 +32,10 @@ class _Recorder:
             self.got.setdefault(k, []).extend(list(r) for r in v)
         return len(history)
 
+    def forget_drafts(self) -> int:
+        n, self.got = len(self.got), {}
+        return n
+
 
 def _service(tmp_path: Path, enabled: bool = True) -> Any:
     from rollpacker.services.rollout import RolloutService

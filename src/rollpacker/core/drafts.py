@@ -208,6 +208,13 @@ class DraftStore:
         while len(self._history) > self.cfg.history_prompts:
             self._history.popitem(last=False)
 
+    def forget_history(self) -> int:
+        """Drop every prompt's history (a benchmark's next repeat starts as the first did); the
+        number of prompts dropped. The running groups are kept."""
+        n = len(self._history)
+        self._history.clear()
+        return n
+
     def history_size(self, prompt_key: str) -> int:
         idx = self._history.get(prompt_key)
         return 0 if idx is None else len(idx.seqs)

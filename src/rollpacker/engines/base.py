@@ -74,9 +74,12 @@ class RolloutEngine(Protocol):
 class DraftMemory(Protocol):
     """An engine that drafts speculative tokens from responses it is given (``engine.speculation``'s
     ``history`` source: ``VLLMEngine``). ``remember_drafts`` takes prompt id -> the token ids of
-    earlier responses to it and returns how many prompts it kept (0 when it drafts from none)."""
+    earlier responses to it and returns how many prompts it kept (0 when it drafts from none);
+    ``forget_drafts`` empties that history and returns how many prompts it dropped."""
 
     def remember_drafts(self, history: Mapping[str, Sequence[Sequence[int]]]) -> int: ...
+
+    def forget_drafts(self) -> int: ...
 
 
 @runtime_checkable

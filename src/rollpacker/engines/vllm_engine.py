@@ -375,6 +375,11 @@ class VLLMEngine:
             self._proposer.store.remember(prompt_id, responses)
         return len(history)
 
+    def forget_drafts(self) -> int:
+        """Empty the draft store's history (``DraftStore.forget_history``); the number of prompts
+        whose history went (0: speculation is off or its proposer runs in another process)."""
+        return self._proposer.store.forget_history() if self._proposer is not None else 0
+
     def drafts_sampled(self) -> bool:
         """Whether the in-process proposer drafts for sampled (temperature > 0) requests
         (``engine.speculation.sampled`` and whether this vLLM verifies them exactly)."""

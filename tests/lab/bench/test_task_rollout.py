@@ -5,6 +5,8 @@ model: ``rollpacker lab bench rollout-task``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from rollpacker.core.config import config_from_text
@@ -165,6 +167,33 @@ def test_repeats_run_in_abba_order_and_the_ratios_are_paired_per_repeat() -> Non
     text = render(report)
     assert "3 repeat(s)" in text and "paired per repeat" in text and "same distribution" in text
     assert max(len(line) for line in text.splitlines()) <= MAX_COLUMNS
+
+
+class _DraftingEngine(FakeEngine):
+    """The simulator with a draft history (``engines.base.DraftMemory``), recording when it empties."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.forgotten_at_step: list[int] = []
+        self.steps_taken = 0
+
+    def step(self) -> Any:
+        self.steps_taken += 1
+        return super().step()
+
+    def remember_drafts(self, history: Any) -> int:
+        return len(history)
+
+    def forget_drafts(self) -> int:
+        self.forgotten_at_step.append(self.steps_taken)
+        return 0
+
+
+def test_every_repeat_starts_with_an_empty_draft_history() -> None:
+    engine = _DraftingEngine(concurrency=64, stop_prob=1 / 24)
+    _two_engine_report(engine, repeats=3)
+    at = engine.forgotten_at_step
+    assert len(at) == 3 and at[0] < at[1] < at[2]  # once per repeat, before it drafts anything
 
 
 def test_the_lossless_check_catches_arms_that_sample_differently() -> None:

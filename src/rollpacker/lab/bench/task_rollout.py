@@ -16,7 +16,9 @@ long round); the plain arm's number of steps ``N`` is the length of ``sync`` and
 and ``sync`` trains exactly the prompts it trained. The arms with drafts run on a second engine
 with the same settings and speculation on (the engines live side by side; vLLM builds the proposer
 when the engine starts). Its draft store keeps the responses of every finished group, so later
-steps (and repeats) also draft from the prompts' history.
+steps also draft from the prompts' history; it is emptied at the start of every repeat (the model
+does not change between repeats: the previous repeat's responses to the same prompts would draft
+the next one's far better than an RL run's older policy versions do).
 
 Reported per arm: rollout seconds per trained step, its speedup over ``sync`` and over
 ``tail_batching``, tokens per second in the **tail** (the engine steps with at most ``tail_batch``
@@ -62,6 +64,7 @@ from rollpacker.core.policies.sync import SyncPolicy
 from rollpacker.core.policies.tail_batching import TailBatchingPolicy
 from rollpacker.core.prompts import PromptCursor
 from rollpacker.core.types import Prompt, RoundKind, SamplingSpec
+from rollpacker.engines.base import DraftMemory
 from rollpacker.lab.bench.abba import abba_order, paired_ratios, spread
 from rollpacker.lab.bench.replay import PolicyRun, SampledResponse, measure_scaling, run_policy
 from rollpacker.lab.bench.tables import legend, wrap
@@ -285,6 +288,9 @@ def run_arms(
     records: list[dict[str, Any]] = []
     for rep, order in enumerate(schedule(opts)):
         runs: dict[str, PolicyRun] = {}
+        drafting = engines.get("spec")
+        if isinstance(drafting, DraftMemory):  # every repeat drafts from its own history only
+            drafting.forget_drafts()
         for name in order:
             log(f"repeat {rep + 1}/{opts.repeats}: {name}")
             record: dict[str, Any] = {"repeat": rep, "position": len(runs), "arm": name}
