@@ -94,7 +94,7 @@ def test_the_arms_run_on_the_same_prompts_and_the_report_explains_itself() -> No
     engines = {"plain": FakeEngine(concurrency=64, stop_prob=1 / 24), "spec": FakeEngine(concurrency=64)}
     report = run_arms(cfg, _prompts(80), engines, TaskBenchOptions(periods=1, max_steps=10, tail_batch=4))
     arms = report["arms"]
-    assert list(arms) == ["sync", "tail_batching", "tail_batching+spec", "partial+spec"]
+    assert list(arms) == ["sync", "sync+spec", "tail_batching", "tail_batching+spec", "partial+spec"]
     tb = arms["tail_batching"]
     assert tb["long_rounds"] == 1 and tb["steps"] == arms["sync"]["steps"] == arms["partial+spec"]["steps"]
     assert report["trained_prompts_identical"]
@@ -187,6 +187,27 @@ class _DraftingEngine(FakeEngine):
     def forget_drafts(self) -> int:
         self.forgotten_at_step.append(self.steps_taken)
         return 0
+
+
+def test_sync_with_drafts_trains_the_same_prompts_and_is_paired_with_sync() -> None:
+    engines = {
+        "plain": FakeEngine(concurrency=64, stop_prob=1 / 24),
+        "spec": FakeEngine(concurrency=64, stop_prob=1 / 24, base_s=0.0025),
+    }
+    opts = TaskBenchOptions(
+        ("sync+spec", "tail_batching+spec"), periods=1, max_steps=10, tail_batch=4, repeats=2
+    )
+    report = run_arms(config_from_text(CFG), _prompts(80), engines, opts)
+    tb, spec = "tail_batching", "tail_batching+spec"
+    assert report["settings"]["order"] == [[tb, spec, "sync", "sync+spec"], [spec, tb, "sync+spec", "sync"]]
+    arms = report["arms"]
+    assert list(arms) == ["sync", "sync+spec", tb, spec]
+    assert arms["sync+spec"]["steps"] == arms["sync"]["steps"] == arms[tb]["steps"]
+    assert report["trained_prompts_identical"]  # both sync arms: the prompts tail batching trained
+    pair = report["paired"]["sync+spec vs sync"]
+    assert pair is not None and pair["speedup_s_per_step"]["median"] > 1.5  # the faster engine
+    assert set(report["paired"]) == {"tail_batching+spec vs tail_batching", "sync+spec vs sync"}
+    assert "sync+spec vs sync, speedup in s/step" in render(report)
 
 
 def test_every_repeat_starts_with_an_empty_draft_history() -> None:

