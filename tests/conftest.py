@@ -160,23 +160,33 @@ class CpuLock:
                     fcntl.flock(gate, fcntl.LOCK_UN)
 
 
-@pytest.fixture(scope="session")
-def _cpu_lock(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> CpuLock | None:
+_CPU_LOCK: list[CpuLock | None] = []  # this worker's, made at its first slow test
+
+
+def _cpu_lock_of(config: pytest.Config) -> CpuLock | None:
     """The run's CPU lock (its files beside the workers' temporary directories), or None in one
     process (no xdist: nothing runs beside)."""
-    if worker_id == "master":
-        return None
-    return CpuLock(tmp_path_factory.getbasetemp().parent / "cpu-lock")
+    if not _CPU_LOCK:
+        if not hasattr(config, "workerinput"):
+            _CPU_LOCK.append(None)
+        else:
+            base = config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+            _CPU_LOCK.append(CpuLock(base.parent / "cpu-lock"))
+    return _CPU_LOCK[0]
 
 
-@pytest.fixture(autouse=True)
-def cpu_lock(request: pytest.FixtureRequest, _cpu_lock: CpuLock | None) -> Iterator[None]:
-    """A slow test holds the CPU lock shared, an ``alone`` test exclusively (see ``CpuLock``)."""
-    alone = request.node.get_closest_marker("alone") is not None
-    if _cpu_lock is None or not (alone or request.node.get_closest_marker("slow") is not None):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A slow test holds the CPU lock shared, an ``alone`` test exclusively (see ``CpuLock``), for
+    its whole protocol: the set-up of the module fixtures it starts (engines, servers) and the
+    teardown of those it ends included (a function fixture took it only after them: a test timed
+    by an ``alone`` test ran beside the other worker's engines starting)."""
+    alone = item.get_closest_marker("alone") is not None
+    lock = _cpu_lock_of(item.config) if alone or item.get_closest_marker("slow") is not None else None
+    if lock is None:
         yield
         return
-    with _cpu_lock.hold(exclusive=alone):
+    with lock.hold(exclusive=alone):
         yield
 
 

@@ -6,9 +6,12 @@ module that runs the sandbox in the same one; the fast modules are units of thei
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import (
     BESIDE_SANDBOX,
@@ -22,6 +25,7 @@ from tests.conftest import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]
 
 
 def test_a_module_with_a_slow_test_is_serial_and_a_fast_one_is_its_own_unit(tmp_path: Path) -> None:
@@ -145,3 +149,58 @@ def test_an_alone_test_waits_for_the_shared_holders_and_is_not_starved(tmp_path:
     for t in (r1, w, r2):
         t.join(10)
     assert events.index("alone out") < events.index("r2 in")
+
+
+_LOCKED_CONFTEST = """
+from tests.conftest import pytest_runtest_protocol  # noqa: F401 - the suite's CPU lock
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: slow")
+    config.addinivalue_line("markers", "alone: alone")
+"""
+_ENGINES = """
+import os, time, pytest
+
+@pytest.fixture(scope="module")
+def engines():
+    t0 = time.time()
+    time.sleep(1.5)  # engines starting
+    open(os.path.join(os.environ["OUT"], "engines"), "w").write(f"{t0} {time.time()}")
+    yield
+
+@pytest.mark.slow
+def test_with_engines(engines):
+    pass
+"""
+_TIMED = """
+import os, time, pytest
+
+@pytest.fixture(scope="module")
+def late():
+    time.sleep(0.5)  # the other worker's engines have begun to start
+    yield
+
+@pytest.mark.slow
+@pytest.mark.alone
+def test_timed(late):
+    t0 = time.time()
+    time.sleep(0.5)
+    open(os.path.join(os.environ["OUT"], "alone"), "w").write(f"{t0} {time.time()}")
+"""
+
+
+def test_an_alone_test_never_runs_beside_another_workers_module_fixtures(
+    pytester: pytest.Pytester, tmp_path: Path
+) -> None:
+    """The lock is held from a test's first fixture to its last teardown: a module fixture that
+    starts engines for a slow test counts as that test's work (with the lock taken in a function
+    fixture, after the module's, the timed test ran beside the engines starting)."""
+    pytester.makeconftest(_LOCKED_CONFTEST)
+    pytester.makepyfile(test_engines=_ENGINES, test_timed=_TIMED)
+    path = os.environ.get("PYTHONPATH", "")
+    pytester._monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), path))))
+    pytester._monkeypatch.setenv("OUT", str(tmp_path))
+    result = pytester.runpytest_subprocess("-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    (e0, e1), (a0, a1) = (map(float, (tmp_path / f).read_text().split()) for f in ("engines", "alone"))
+    assert a1 <= e0 or a0 >= e1, f"the alone test ran {a0:.2f}-{a1:.2f} beside the fixture {e0:.2f}-{e1:.2f}"
