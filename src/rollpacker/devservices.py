@@ -203,7 +203,7 @@ class ServiceStatus:
 
 
 def up(
-    root: Path | str = DEFAULT_ROOT,
+    root: Path | str | None = None,
     *,
     bucket: str = DEFAULT_BUCKET,
     s3: bool = True,
@@ -218,8 +218,9 @@ def up(
 ) -> Services:
     """Start the local services that are not already running and healthy (concurrently), wait
     until each answers, and return their addresses. MLflow keeps artifacts in the S3 store, so
-    asking for MLflow starts SeaweedFS too."""
-    root = Path(root)
+    asking for MLflow starts SeaweedFS too. ``root``: default ``services_dir()``
+    ($ROLLPACKER_SERVICES_DIR, else build/services), where the clients look for the credentials."""
+    root = Path(root) if root is not None else services_dir()
     sw_ports = seaweed_ports or SeaweedPorts()
     r_ports = ray_ports or RayPorts()
     s3 = s3 or mlflow
@@ -376,12 +377,13 @@ def _start_all(root: Path, starters: dict[str, Callable[[], dict[str, Any]]]) ->
 
 
 def down(
-    root: Path | str = DEFAULT_ROOT, *, grace_s: float = 5.0, names: Iterable[str] | None = None
+    root: Path | str | None = None, *, grace_s: float = 5.0, names: Iterable[str] | None = None
 ) -> dict[str, int]:
     """Stop what ``up`` started under ``root`` (SIGTERM, then SIGKILL after ``grace_s``), remove
     the pid files; returns how many processes each service had. Data and credentials stay.
-    ``names`` limits it to some services (e.g. ``Services.started``: only what one ``up`` started)."""
-    root = Path(root)
+    ``names`` limits it to some services (e.g. ``Services.started``: only what one ``up`` started).
+    ``root``: default ``services_dir()``."""
+    root = Path(root) if root is not None else services_dir()
     wanted = SERVICE_NAMES if names is None else tuple(names)
     unknown = sorted(set(wanted) - set(SERVICE_NAMES))
     if unknown:
@@ -406,9 +408,10 @@ def running(root: Path | str, *, grace_s: float = 3.0, **kw: Any) -> Iterator[Se
         down(root, grace_s=grace_s)
 
 
-def status(root: Path | str = DEFAULT_ROOT) -> list[ServiceStatus]:
-    """What ``up`` recorded under ``root``, and whether it is alive and answering."""
-    root = Path(root)
+def status(root: Path | str | None = None) -> list[ServiceStatus]:
+    """What ``up`` recorded under ``root`` (default ``services_dir()``), and whether it is alive and
+    answering."""
+    root = Path(root) if root is not None else services_dir()
     creds = _read_credentials(root)
     out = []
     for name in SERVICE_NAMES:

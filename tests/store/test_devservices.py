@@ -91,6 +91,28 @@ def test_seaweed_up_reuse_down(tmp_path: Path, foreign: subprocess.Popen[bytes])
     devservices.down(root, grace_s=5)
 
 
+def test_without_a_root_up_and_down_use_the_directory_the_clients_read_the_keys_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """$ROLLPACKER_SERVICES_DIR names where the store's clients look for the local keys; `up`, `down`
+    and the run's own start of the services use it too (they used build/services, so a run with the
+    variable set started the store there and then found no keys: seen on a fresh clone)."""
+    from rollpacker.store.s3 import SERVICES_DIR_ENV, local_credentials_path
+
+    root = tmp_path / "elsewhere"
+    monkeypatch.setenv(SERVICES_DIR_ENV, str(root))
+    monkeypatch.chdir(tmp_path)  # build/services would be made here
+    svc = devservices.up(mlflow=False, ray=False, seaweed_ports=SeaweedPorts.free(), timeout_s=30)
+    try:
+        assert svc.root == root and svc.credentials_file == local_credentials_path()
+        assert [s.name for s in devservices.status() if s.running] == ["seaweedfs"]
+    finally:
+        counts = devservices.down(grace_s=1.0)
+    assert set(counts) == {"seaweedfs"} and counts["seaweedfs"] >= 1
+    assert not (tmp_path / "build").exists()
+    assert not [s for s in devservices.status() if s.running]
+
+
 def test_port_taken_by_a_stranger_is_refused(tmp_path: Path) -> None:
     ports = SeaweedPorts.free()
     with socket.socket() as s:

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from .common import Done, command
+from .common import Done, command, shown
 
 services_app = typer.Typer()
 
@@ -17,8 +17,12 @@ services_app = typer.Typer()
 @command(services_app, "up")
 def services_up(
     root: Annotated[
-        Path, typer.Option(help="Directory of the services' data, logs, pid files and credentials.")
-    ] = Path("build/services"),
+        Path | None,
+        shown(
+            "Directory of the services' data, logs, pid files and credentials.",
+            "$ROLLPACKER_SERVICES_DIR, else build/services",
+        ),
+    ] = None,
     bucket: Annotated[str, typer.Option(help="S3 bucket to create (store.bucket).")] = "rollpacker",
     port_offset: Annotated[
         int, typer.Option(help="Move every default port by N, e.g. 100 (a second set beside a running one).")
@@ -48,6 +52,7 @@ def services_up(
     from rollpacker import devservices
     from rollpacker.core.paths import writable_dir
 
+    root = root if root is not None else devservices.services_dir()
     sw_ports = devservices.SeaweedPorts().shifted(port_offset)
     ray_ports = devservices.RayPorts().shifted(port_offset)
     writable_dir(root, "--root")
@@ -68,15 +73,19 @@ def services_up(
     if svc.ray_address:
         lines.append(f"Ray head      {svc.ray_address}")
     lines.append(f"started: {', '.join(svc.started) or '-'}   reused: {', '.join(svc.reused) or '-'}")
-    default_root = root == Path("build/services")
-    lines.append("stop with: make down" if default_root else f"stop with: rollpacker down --root {root}")
+    default_root = root.resolve() == devservices.services_dir().resolve()
+    lines.append(
+        "stop with: rollpacker down" if default_root else f"stop with: rollpacker down --root {root}"
+    )
     typer.echo("\n".join(lines), err=True)
     return Done("\n".join(f"export {key}={shlex.quote(value)}" for key, value in svc.env().items()))
 
 
 @command(services_app, "down")
 def services_down(
-    root: Annotated[Path, typer.Option(help="Directory `rollpacker up` used.")] = Path("build/services"),
+    root: Annotated[
+        Path | None, shown("Directory `rollpacker up` used.", "$ROLLPACKER_SERVICES_DIR, else build/services")
+    ] = None,
     grace_s: Annotated[float, typer.Option(help="Seconds between SIGTERM and SIGKILL.")] = 5.0,
 ) -> Done:
     """Stop the local services `rollpacker up` started (by PID; nothing else is touched).
@@ -85,6 +94,7 @@ def services_down(
     """
     from rollpacker import devservices
 
+    root = root if root is not None else devservices.services_dir()
     counts = devservices.down(root, grace_s=grace_s)
     lines = [] if counts else [f"nothing to stop: no services recorded in {root / 'pids'}"]
     lines += [f"{name}: stopped ({n} process{'es' if n != 1 else ''})" for name, n in counts.items()]
