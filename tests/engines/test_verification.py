@@ -149,3 +149,14 @@ def test_verified_drafts_are_counted_per_source(monkeypatch: pytest.MonkeyPatch)
     assert proposer.propose([[3, 4, 7], [3, 4, 7]], [15, 15], b.token_ids) is not None
     assert proposer.stats.drafted_by_source == {"siblings": 8}
     assert proposer.stats.accepted_by_source == {"siblings": 4}
+    assert proposer.stats.k_by_batch == {2: {4: 2}}  # two steps of 2 requests, k fixed at 4
+
+
+def test_the_draft_length_is_counted_per_batch_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollpacker.engines.speculation import batch_bucket
+
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 100)] == [1, 2, 4, 4, 8, 8, 16, 128]
+    proposer = _proposer(monkeypatch, False)  # inexact: a batch holding a sampled request gets k = 0
+    _Runner(_Batch([0.0, 1.0, 1.0])).propose(proposer)
+    _Runner(_Batch([0.0])).propose(proposer)
+    assert proposer.stats.k_by_batch == {4: {0: 1}, 1: {4: 1}}

@@ -74,6 +74,11 @@ def parse_request_id(request_id: str) -> tuple[str, str]:
     return group, group.rpartition("/")[2]
 
 
+def batch_bucket(batch: int) -> int:
+    """The batch size rounded up to a power of two (1, 2, 4, 8, ...): the rows of ``k_by_batch``."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
 @dataclasses.dataclass
 class ProposerStats:
     propose_s: float = 0.0  # seconds spent drafting (this process)
@@ -84,8 +89,16 @@ class ProposerStats:
     accepted_tokens: int = 0
     errors: int = 0
     k_last: int = 0
+    # the draft length chosen per step by the batch's size: bucket (the batch rounded up to a power
+    # of two) -> k -> steps; k is 0 where the rule (or inexact verification) drafts nothing
+    k_by_batch: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)
     drafted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)  # verified drafts
     accepted_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def choose(self, batch: int, k: int) -> None:
+        """One step's draft length ``k`` for a batch of ``batch`` requests."""
+        per_k = self.k_by_batch.setdefault(batch_bucket(batch), {})
+        per_k[k] = per_k.get(k, 0) + 1
 
     def count(self, source: DraftSource, drafted: int, accepted: int) -> None:
         """One request's verified draft from ``source``: ``accepted`` of its ``drafted`` tokens kept."""
@@ -211,6 +224,8 @@ class GroupDraftProposer:
         if not self.exact and any(temperature[i] > 0 for i, rid in enumerate(req_ids) if rid is not None):
             k = 0
         self.stats.k_last = k
+        if req_ids:
+            self.stats.choose(len(req_ids), k)
         self._drafted, self._source = {}, {}
         out: list[list[int]] = []
         for i, rid in enumerate(req_ids):

@@ -217,6 +217,71 @@ def test_every_repeat_starts_with_an_empty_draft_history() -> None:
     assert len(at) == 3 and at[0] < at[1] < at[2]  # once per repeat, before it drafts anything
 
 
+def test_k_chosen_counts_the_arm_only_and_pools_per_batch_bucket() -> None:
+    from rollpacker.lab.bench.task_rollout import k_chosen, pooled_k
+
+    before = {1: {4: 10}, 8: {0: 3}}
+    after = {1: {4: 16, 2: 2}, 8: {0: 3}, 32: {0: 5}}
+    assert k_chosen(before, after) == {"1": {"2": 2, "4": 6}, "32": {"0": 5}}  # 8 chose nothing new
+    records = [
+        {"arm": "tail_batching+spec", "k_by_batch": {"1": {"2": 2, "4": 6}}},
+        {"arm": "tail_batching+spec", "k_by_batch": {"1": {"4": 2}, "32": {"0": 5}}},
+        {"arm": "sync+spec", "k_by_batch": {"1": {"1": 100}}},
+    ]
+    assert pooled_k(records, "tail_batching+spec") == {
+        "1": {"steps": 10, "mean_k": (2 * 2 + 4 * 8) / 10, "k": {"2": 2, "4": 8}},
+        "32": {"steps": 5, "mean_k": 0.0, "k": {"0": 5}},
+    }
+
+
+class _CountingEngine(FakeEngine):
+    """The simulator with a proposer's counters: every step chooses k = 3 at its batch's bucket."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.k_by_batch: dict[int, dict[int, int]] = {}
+        self.before_arms: int | None = None  # steps taken before the first repeat (the warm-up's)
+
+    def total(self) -> int:
+        return sum(sum(per_k.values()) for per_k in self.k_by_batch.values())
+
+    def remember_drafts(self, history: Any) -> int:
+        return len(history)
+
+    def forget_drafts(self) -> int:  # called as each repeat starts
+        if self.before_arms is None:
+            self.before_arms = self.total()
+        return 0
+
+    def step(self) -> Any:
+        updates, stats = super().step()
+        per_k = self.k_by_batch.setdefault(1 << max(stats.num_running - 1, 0).bit_length(), {})
+        per_k[3] = per_k.get(3, 0) + 1
+        return updates, stats
+
+    def speculation_stats(self) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(
+            drafted_by_source={},
+            accepted_by_source={},
+            k_by_batch={b: dict(v) for b, v in self.k_by_batch.items()},
+        )
+
+
+def test_the_report_gives_the_draft_lengths_chosen_per_batch_size() -> None:
+    engine = _CountingEngine(concurrency=64, stop_prob=1 / 24)
+    report = _two_engine_report(engine, repeats=2)
+    spec = report["arms"]["tail_batching+spec"]
+    per_bucket = spec["k_by_batch"]
+    assert per_bucket and all(v["mean_k"] == 3.0 for v in per_bucket.values())
+    counted = sum(v["steps"] for v in per_bucket.values())
+    assert engine.before_arms  # the engine's warm-up stepped it before the arms
+    assert counted == engine.total() - engine.before_arms  # the arms' steps, not the warm-up's
+    assert "k_by_batch" not in report["arms"]["tail_batching"]  # the plain engine counts no drafts
+    assert "draft length k chosen, mean by batch size" in render(report)
+
+
 def test_the_lossless_check_catches_arms_that_sample_differently() -> None:
     report = _two_engine_report(FakeEngine(concurrency=64, stop_prob=1 / 6), repeats=1)
     assert report["lossless"]["same"] is False

@@ -301,10 +301,11 @@ def run_arms(
             record: dict[str, Any] = {"repeat": rep, "position": len(runs), "arm": name}
             record["load_avg_before"] = list(os.getloadavg())
             engine = engines["spec" if name.endswith("+spec") else "plain"]
-            before = _source_counts(engine)
+            before, k_before = _source_counts(engine), _k_counts(engine)
             runs[name] = _run_arm(dataclasses.replace(setup, repeat=rep), engine, name, runs)
             record["load_avg_after"] = list(os.getloadavg())
             record["acceptance_by_source"] = acceptance_by_source(before, _source_counts(engine))
+            record["k_by_batch"] = k_chosen(k_before, _k_counts(engine))
             record.update(_run_figures(runs[name], opts.tail_batch))
             records.append(record)
         repeats.append(runs)
@@ -345,6 +346,52 @@ def _source_counts(engine: Any) -> _Counts:
     """(drafted, accepted) tokens per draft source so far, from an in-process proposer's counters."""
     stats = getattr(engine, "speculation_stats", lambda: None)()
     return (dict(stats.drafted_by_source), dict(stats.accepted_by_source)) if stats is not None else ({}, {})
+
+
+_KCounts = dict[int, dict[int, int]]
+
+
+def _k_counts(engine: Any) -> _KCounts:
+    """Steps per (batch bucket, draft length chosen) so far, from an in-process proposer's counters."""
+    stats = getattr(engine, "speculation_stats", lambda: None)()
+    return {b: dict(per_k) for b, per_k in stats.k_by_batch.items()} if stats is not None else {}
+
+
+def k_chosen(before: _KCounts, after: _KCounts) -> dict[str, dict[str, int]]:
+    """The draft lengths the adaptive rule chose between two counts: for each batch bucket (the
+    batch rounded up to a power of two, as a string), steps per ``k`` (as a string, JSON's keys)."""
+    out: dict[str, dict[str, int]] = {}
+    for bucket in sorted(after):
+        per_k = {
+            str(k): n - before.get(bucket, {}).get(k, 0)
+            for k, n in sorted(after[bucket].items())
+            if n - before.get(bucket, {}).get(k, 0) > 0
+        }
+        if per_k:
+            out[str(bucket)] = per_k
+    return out
+
+
+def pooled_k(records: list[dict[str, Any]], arm: str) -> dict[str, dict[str, Any]]:
+    """An arm's draft lengths over its repeats, per batch bucket: steps per ``k``, the steps in all
+    and the mean ``k`` (0 for the steps that drafted nothing)."""
+    steps: dict[int, dict[int, int]] = {}
+    for rec in records:
+        if rec["arm"] == arm:
+            for bucket, per_k in rec.get("k_by_batch", {}).items():
+                row = steps.setdefault(int(bucket), {})
+                for k, n in per_k.items():
+                    row[int(k)] = row.get(int(k), 0) + n
+    out: dict[str, dict[str, Any]] = {}
+    for bucket in sorted(steps):
+        row = steps[bucket]
+        total = sum(row.values())
+        out[str(bucket)] = {
+            "steps": total,
+            "mean_k": sum(k * n for k, n in row.items()) / total,
+            "k": {str(k): row[k] for k in sorted(row)},
+        }
+    return out
 
 
 def acceptance_by_source(before: _Counts, after: _Counts) -> dict[str, dict[str, float]]:
@@ -473,6 +520,9 @@ def _report(
         by_source = _pooled_by_source(records, name)
         if by_source:
             arms[name]["acceptance_by_source"] = by_source
+        k_by_batch = pooled_k(records, name)
+        if k_by_batch:
+            arms[name]["k_by_batch"] = k_by_batch
         mine = [rec for rec in records if rec["arm"] == name]
         arms[name]["repeats"] = {
             k: spread([rec[k] for rec in mine]).as_dict() for k in ("rollout_s_per_step", "tail_tokens_per_s")
@@ -579,6 +629,10 @@ def render(report: dict[str, Any]) -> str:
         if any(pos):
             parts = [f"{i} {v:.2f}" for i, v in enumerate(pos, start=1)]
             lines += wrap(f"{name}: acceptance by draft position: {', '.join(parts)}")
+    for name, a in report["arms"].items():
+        if a.get("k_by_batch"):
+            parts = [f"<={b}: {v['mean_k']:.1f} ({v['steps']:,} steps)" for b, v in a["k_by_batch"].items()]
+            lines += wrap(f"{name}: draft length k chosen, mean by batch size: {', '.join(parts)}")
     lines += _render_repeats(report)
     est = report.get("gpu_estimate")
     if est:
