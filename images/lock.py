@@ -23,6 +23,8 @@ with its lock as constraints. Standard library only (plus pip, run as a subproce
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -158,22 +160,52 @@ def _why(output: str) -> str:
     return output[at:][-4000:]
 
 
+def _wheels(wheels: Path) -> frozenset[str]:
+    return frozenset(p.name for p in wheels.glob("*.whl"))
+
+
+def _has_wheel_of(pin: str, wheels: Path) -> bool:
+    name, _, version = pin.partition("==")
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    return any(w.lower().startswith(f"{stem}-{version}-") for w in _wheels(wheels))
+
+
+@contextlib.contextmanager
+def _wheel_lock(wheels: Path):  # type: ignore[no-untyped-def]
+    """One builder at a time in the wheel cache, across threads and processes (the resolves of
+    several sets run side by side, and two test runs may share the cache)."""
+    with open(wheels / ".build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build_pure_wheel(pin: str, wheels: Path) -> None:
-    """Build ``pin`` from its sdist into ``wheels``; refuse a wheel that is not pure Python."""
-    before = set(wheels.glob("*.whl"))
+    """Build ``pin`` from its sdist into ``wheels`` (unless another resolve built it meanwhile),
+    whole or not at all: built in a directory of its own and renamed in, so a resolve reading the
+    cache never sees half a wheel; refuse a wheel that is not pure Python."""
     name = pin.split("==", 1)[0]
-    cmd = [sys.executable, "-m", "pip", "--isolated", "wheel", "--no-deps", f"--no-binary={name}"]
-    cmd += [f"--wheel-dir={wheels}", pin]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env(), timeout=600)
-    built = set(wheels.glob("*.whl")) - before
-    if res.returncode != 0 or not built:
-        raise LockError(
-            f"{pin} has no wheel for the platform and its sdist did not build:\n{res.stderr[-2000:]}"
-        )
-    for whl in built:
-        if not whl.name.endswith("-none-any.whl"):
-            whl.unlink()
-            raise LockError(f"{pin} has no manylinux x86_64 cp311 wheel and is not pure Python ({whl.name})")
+    with _wheel_lock(wheels):
+        if _has_wheel_of(pin, wheels):
+            return
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=wheels) as tmp:
+            cmd = [sys.executable, "-m", "pip", "--isolated", "wheel", "--no-deps", f"--no-binary={name}"]
+            cmd += [f"--wheel-dir={tmp}", pin]
+            res = subprocess.run(cmd, capture_output=True, text=True, env=_pip_env(), timeout=600)
+            built = list(Path(tmp).glob("*.whl"))
+            if res.returncode != 0 or not built:
+                raise LockError(
+                    f"{pin} has no wheel for the platform and its sdist did not build:\n{res.stderr[-2000:]}"
+                )
+            for whl in built:
+                if not whl.name.endswith("-none-any.whl"):
+                    raise LockError(
+                        f"{pin} has no manylinux x86_64 cp311 wheel and is not pure Python ({whl.name})"
+                    )
+            for whl in built:
+                os.replace(whl, wheels / whl.name)
 
 
 def resolve(
@@ -191,9 +223,12 @@ def resolve(
         cons.write_text(cons_text)
         built: set[str] = set()
         while True:
+            cached = _wheels(wheels)
             res = _dry_run(s, req, cons, report, wheels)
             if res.returncode == 0:
                 break
+            if _wheels(wheels) != cached:
+                continue  # another resolve built a wheel while this one ran: try again with it
             suspects = [p for p in _suspects(res.stdout, read_pins(cons_text)) if p not in built]
             missing = [p for p in suspects if not _has_platform_wheel(s, p, wheels, Path(tmp))]
             if not missing:

@@ -9,6 +9,7 @@ here instead of at ``docker build``. The fast ones check the locks against their
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,64 @@ def test_platform_targets_the_bases(root: Path) -> None:
 
 
 PLANTED = "rollout-gpu+triton==3.9.0"  # the CPU lock's triton in the rollout image's set
+
+
+def test_a_wheel_another_resolve_built_meanwhile_is_used_not_reported_as_a_conflict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sets resolve three at a time; on an empty wheel cache each one's first dry run fails
+    on the sdist-only pin (kfp-server-api). One resolve built the wheel while another's dry run was
+    failing; that one then found the wheel there, concluded nothing was missing, and reported
+    pip's "no matching distributions" as the set's conflict (two sets failed so on a fresh clone).
+    The schedule, planted: the wheel appears during the first dry run."""
+    import subprocess
+
+    monkeypatch.setattr(lock, "CACHE", tmp_path)
+    wheels = tmp_path / "image-wheels"
+    calls: list[int] = []
+
+    def dry_run(s, req, cons, report, wheels_dir):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:  # meanwhile, the other resolve's build lands
+            (wheels_dir / "kfp_server_api-2.17.3-py3-none-any.whl").write_bytes(b"PK")
+            out = "ERROR: No matching distribution found for kfp-server-api==2.17.3"
+            return subprocess.CompletedProcess([], 1, out, "")
+        report.write_text(
+            json.dumps({"install": [{"metadata": {"name": "kfp-server-api", "version": "2.17.3"}}]})
+        )
+        return subprocess.CompletedProcess([], 0, "", "")
+
+    monkeypatch.setattr(lock, "_dry_run", dry_run)
+    monkeypatch.setattr(lock, "_has_platform_wheel", lambda *a: True)  # it is there now
+    monkeypatch.setattr(lock, "_build_pure_wheel", lambda *a: pytest.fail("built a wheel that was there"))
+    s = SETS["controller-cpu"]
+    assert lock.resolve(s, ROOT, requirements="kfp-server-api\n", lock="kfp-server-api==2.17.3\n") == {
+        "kfp-server-api": "2.17.3"
+    }
+    assert len(calls) == 2 and wheels.is_dir()
+
+
+def test_a_wheel_is_built_once_and_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second builder of the same pin (a thread, another run) finds it built and builds nothing;
+    a build lands by rename, never half-written."""
+    import subprocess
+
+    runs: list[list[str]] = []
+
+    def pip(cmd, **kw):  # type: ignore[no-untyped-def]
+        runs.append(cmd)
+        wheel_dir = Path(next(c for c in cmd if c.startswith("--wheel-dir=")).split("=", 1)[1])
+        assert wheel_dir.parent == tmp_path and wheel_dir.name.startswith(".build-")  # not the cache
+        (wheel_dir / "kfp_server_api-2.17.3-py3-none-any.whl").write_bytes(b"PK")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(lock.subprocess, "run", pip)
+    lock._build_pure_wheel("kfp-server-api==2.17.3", tmp_path)
+    lock._build_pure_wheel("kfp-server-api==2.17.3", tmp_path)
+    assert len(runs) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "kfp_server_api-2.17.3-py3-none-any.whl"
+    ]
 
 
 def _planted_lock() -> str:
