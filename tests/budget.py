@@ -15,7 +15,8 @@ alone does not fail it.
 
 With ``ROLLPACKER_TEST_TIMELINE`` set to a path (`make test`: build/test-timeline.json) the run also
 writes every test phase's worker, start and stop there, and prints each worker's busy time: where
-a worker sat idle, waited on the CPU lock or ran the run's last test alone shows there.
+a worker sat idle, waited on the CPU lock or ran the run's last test alone shows there. It also
+prints the machine's memory over the run and, for a worker that died, why (tests/postmortem.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
+
+from tests.postmortem import MemoryWatch, crash_report, memory_line
 
 BUDGET_ENV = "ROLLPACKER_TEST_BUDGET_S"
 TIMELINE_ENV = "ROLLPACKER_TEST_TIMELINE"
@@ -64,28 +67,59 @@ class Budget:
     def record(self, report: pytest.TestReport) -> None:
         self.spent[report.nodeid] += report.duration
         gateway = getattr(getattr(report, "node", None), "gateway", None)  # xdist's worker
-        self.phases.append(
-            {
-                "nodeid": report.nodeid,
-                "when": report.when,
-                "worker": getattr(gateway, "id", "master"),
-                "start": report.start,
-                "stop": report.stop,
-                "outcome": report.outcome,
-            }
-        )
+        phase: dict[str, object] = {
+            "nodeid": report.nodeid,
+            "when": report.when,
+            "worker": getattr(gateway, "id", "master"),
+            "start": getattr(report, "start", 0.0),  # a crashed worker's report has no times
+            "stop": getattr(report, "stop", 0.0),
+            "outcome": report.outcome,
+        }
+        if report.failed and not getattr(report, "start", 0.0):
+            phase["longrepr"] = str(report.longrepr)[-500:]
+        self.phases.append(phase)
 
-    def timeline(self, path: str) -> str:
-        """Writes the phases to ``path`` (JSON); returns a line of each worker's busy seconds."""
+    def timed(self) -> list[dict[str, object]]:
+        """The phases that ran: a worker's crash is reported as a phase with no times (0, 0)."""
+        return [p for p in self.phases if float(p["start"]) > 0]  # type: ignore[arg-type]
+
+    def crashed(self) -> list[tuple[str, str]]:
+        """(worker, test) for each test whose worker died under it (pytest-xdist's report)."""
+        return [
+            (str(p["worker"]), str(p["nodeid"]))
+            for p in self.phases
+            if float(p["start"]) <= 0 and "crashed while running" in str(p.get("longrepr", ""))  # type: ignore[arg-type]
+        ]
+
+    def running_at(self, t: float) -> list[str]:
+        """'<worker>: <test>' for each phase under way at ``t`` (epoch seconds)."""
+        return [
+            f"{p['worker']}: {p['nodeid']}"
+            for p in self.timed()
+            if float(p["start"]) <= t <= float(p["stop"])  # type: ignore[arg-type]
+        ]
+
+    def timeline(self, path: str, memory: dict[str, object] | None = None) -> str:
+        """Writes the phases (and ``memory``, ``MemoryWatch.summary``) to ``path`` (JSON); returns
+        a line of each worker's busy seconds and the workers that crashed."""
         busy: defaultdict[str, float] = defaultdict(float)
-        for phase in self.phases:
+        timed = self.timed()
+        for phase in timed:
             busy[str(phase["worker"])] += float(phase["stop"]) - float(phase["start"])  # type: ignore[arg-type]
-        starts = [float(p["start"]) for p in self.phases]  # type: ignore[arg-type]
-        stops = [float(p["stop"]) for p in self.phases]  # type: ignore[arg-type]
-        span = (max(stops) - min(starts)) if self.phases else 0.0
+        starts = [float(p["start"]) for p in timed]  # type: ignore[arg-type]
+        stops = [float(p["stop"]) for p in timed]  # type: ignore[arg-type]
+        span = (max(stops) - min(starts)) if timed else 0.0
+        crashed = self.crashed()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump({"span_s": span, "busy_s": dict(busy), "phases": self.phases}, f)
+            doc = {
+                "span_s": span,
+                "busy_s": dict(busy),
+                "crashed": crashed,
+                "memory": memory,
+                "phases": self.phases,
+            }
+            json.dump(doc, f)
         workers = ", ".join(f"{w} busy {s:.0f} s" for w, s in sorted(busy.items()))
         return f"timeline: {path} ({workers} of {span:.0f} s from the first test to the last)"
 
@@ -123,13 +157,16 @@ def budget_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> 
 
 
 _budget: Budget | None = None
+_memory: MemoryWatch | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _budget
+    global _budget, _memory
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller keeps the budget
         return
     _budget = budget_from_env()
+    if _budget is not None and os.environ.get(TIMELINE_ENV, "").strip():
+        _memory = MemoryWatch()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -144,8 +181,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     timeline_path = os.environ.get(TIMELINE_ENV, "").strip()
     if timeline_path and reporter is not None:
+        memory = _memory.summary() if _memory is not None else None
         reporter.write("\n")
-        reporter.write_line(_budget.timeline(timeline_path))
+        reporter.write_line(_budget.timeline(timeline_path, memory))
+        if memory is not None:
+            reporter.write_line(memory_line(memory, _budget.running_at(float(memory["least_at"]))))  # type: ignore[arg-type]
+        for worker, nodeid in _budget.crashed():
+            reporter.write_sep("=", f"worker {worker} died in {nodeid}", red=True)
+            reporter.write_line(crash_report(worker, timeline_path, memory))
     message = _budget.verdict(time.monotonic() - _budget.start, probe())
     if message is None:
         return

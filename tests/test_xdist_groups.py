@@ -15,9 +15,11 @@ import pytest
 
 from tests.conftest import (
     BESIDE_SANDBOX,
+    E2E_TIMEOUT_S,
     SANDBOX_UNIT,
     SERIAL,
     CpuLock,
+    e2e_timeouts,
     run_order,
     scope_of,
     serial_module,
@@ -204,3 +206,18 @@ def test_an_alone_test_never_runs_beside_another_workers_module_fixtures(
     result.assert_outcomes(passed=2)
     (e0, e1), (a0, a1) = (map(float, (tmp_path / f).read_text().split()) for f in ("engines", "alone"))
     assert a1 <= e0 or a0 >= e1, f"the alone test ran {a0:.2f}-{a1:.2f} beside the fixture {e0:.2f}-{e1:.2f}"
+
+
+def test_a_whole_run_gets_the_longer_timeout_and_keeps_its_own(pytester: pytest.Pytester) -> None:
+    """A whole run may build a warm-up first (~9 min on an empty cache beside the other worker):
+    it gets ``E2E_TIMEOUT_S``; one that sets its own keeps it; the rest keep the default (none)."""
+    items = pytester.getitems(
+        "import pytest\n"
+        "@pytest.mark.e2e\ndef test_run(): pass\n"
+        "@pytest.mark.e2e\n@pytest.mark.timeout(60)\ndef test_own(): pass\n"
+        "def test_fast(): pass\n"
+    )
+    e2e_timeouts(items)
+    got = {i.name: [m.args for m in i.iter_markers("timeout")] for i in items}
+    assert got == {"test_run": [(E2E_TIMEOUT_S,)], "test_own": [(60,)], "test_fast": []}
+    assert E2E_TIMEOUT_S > 900
