@@ -72,8 +72,9 @@ TRAIN_ARGS ?=
 train: setup
 	$(VENV)/bin/rollpacker train --config $(CONFIG) $(TRAIN_ARGS)
 
-# The shipped models (src/rollpacker/models/shipped, package data): the embedded default experiment's
-# warm-ups trained by the project's own warm-up (~11 min here), measured, with their manifest. Rebuild
+# The shipped models (src/rollpacker/models/shipped, package data): the warm-ups of the embedded default
+# experiment, of configs/default.yaml and of configs/code.yaml, trained by the project's own warm-up,
+# measured, with their manifest. Rebuild
 # after a change to a warm-up recipe: tests/tasks/test_shipped.py fails until the keys agree.
 .PHONY: shipped-models
 shipped-models: setup

@@ -33,22 +33,26 @@ def _entries() -> dict[str, shipped.ShippedEntry]:
     return shipped.load_manifest()
 
 
-def _entry(kind: str) -> shipped.ShippedEntry:
-    return next(e for e in _entries().values() if e.kind == kind)
+def _entry(kind: str, config: str = "experiment") -> shipped.ShippedEntry:
+    return next(e for e in _entries().values() if e.kind == kind and e.config == config)
 
 
-def test_the_shipped_keys_are_those_the_code_computes_for_the_embedded_experiment() -> None:
-    assert SHIPPED_CONFIGS == ("experiment",)
-    want = {r.name: r for r in recipes(_experiment())}
+def test_the_shipped_keys_are_those_the_code_computes_for_the_shipped_configs() -> None:
+    """The embedded default experiment's warm-ups (its policy and toy judge), and the policy
+    warm-ups of `train`'s default config and of the code config (the suite's whole runs start from
+    those two: built on every fresh machine, they took 394 s and 549 s of a CI run)."""
+    assert SHIPPED_CONFIGS == ("experiment", "default", "code")
+    want = {r.name: r for c in SHIPPED_CONFIGS for r in recipes(load_config(resolve_config(c)))}
     got = _entries()
     assert set(got) == set(want), (
-        f"the embedded experiment's warm-ups are {sorted(want)}, the shipped models {sorted(got)}: "
+        f"the shipped configs' warm-ups are {sorted(want)}, the shipped models {sorted(got)}: "
         f"a warm-up recipe changed without a rebuild; run `{shipped.REBUILD_COMMAND}` (make shipped-models)"
     )
     for name, r in want.items():
         assert got[name].key == r.key and got[name].recipe == json.loads(json.dumps(asdict(r.spec))), (
             f"{name}: the manifest's recipe is not the current one; run `{shipped.REBUILD_COMMAND}`"
         )
+    assert {e.config for e in got.values()} == set(SHIPPED_CONFIGS)
 
 
 @pytest.mark.parametrize("kind", ["warm-up", "judge"])
@@ -83,6 +87,16 @@ def test_the_shipped_policy_keeps_its_validation_accuracy() -> None:
     got = greedy_exact_match(shipped.verify(e), ex)
     assert got["exact"] >= e.val["value"] - TOLERANCE_EXAMPLES / len(ex), (got, e.val)
     assert e.val["value"] >= 0.8  # a warm-up worth shipping: most references written exactly
+
+
+@pytest.mark.parametrize("config", ["default", "code"])
+def test_the_other_shipped_policies_keep_their_validation_figure(config: str) -> None:
+    e = _entry("warm-up", config)
+    cfg = load_config(resolve_config(config))
+    r = next(r for r in recipes(cfg) if r.kind == "warm-up")
+    got = measure(r, shipped.verify(e), cfg)
+    assert got["metric"] == e.val["metric"] and got["examples"] == e.val["examples"] > 0
+    assert got["value"] >= e.val["value"] - TOLERANCE_EXAMPLES / got["examples"], (got, e.val)
 
 
 def test_the_shipped_judge_keeps_its_heldout_accuracy() -> None:

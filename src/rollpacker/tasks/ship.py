@@ -28,7 +28,7 @@ from rollpacker.tasks.judge_task import JudgeWarmupSpec
 from rollpacker.tasks.shipped import SHIPPED_ROOT, ShippedEntry, ValFigure, sha256_file, write_manifest
 from rollpacker.tasks.warmup import WarmupSpec
 
-SHIPPED_CONFIGS = ("experiment",)  # the configs whose warm-ups are shipped: the embedded default
+SHIPPED_CONFIGS = ("experiment", "default", "code")  # the embedded default, `train`'s default, code
 
 
 @dataclass(frozen=True)
