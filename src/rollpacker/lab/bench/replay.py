@@ -1208,7 +1208,8 @@ def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
     return [
         "",
         *wrap(
-            f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; paper (003 sec. 4.4.1) "
+            f"SortedRL bubble ratio: measured sync {m['baseline']:.1%} -> {ours}; "
+            "the SortedRL paper (arXiv:2603.23414 sec. 4.4.1) "
             f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
             f"sorted_partial {pp['sorted_partial']:.2%}"
         ),
