@@ -29,10 +29,9 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.postmortem import MemoryWatch, crash_report, memory_line
+from tests.postmortem import TIMELINE_ENV, MemoryWatch, crash_report, memory_line
 
 BUDGET_ENV = "ROLLPACKER_TEST_BUDGET_S"
-TIMELINE_ENV = "ROLLPACKER_TEST_TIMELINE"
 SHOWN = 15
 REFERENCE_S = 0.195  # `probe()` on the machine the budget was set on (idle: 0.187-0.204 s)
 MAX_STRETCH = 1.5
