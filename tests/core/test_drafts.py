@@ -68,6 +68,45 @@ def test_growing_in_pieces_equals_indexing_at_once(tokens: list[int], cuts: list
         assert grown.draft(tokens[:end], 4) == fresh.draft(tokens[:end], 4)
 
 
+class _EagerIndex:
+    """The index as it was built before it deferred its work: every ``extend`` indexes at once."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi, self.seqs, self.at = lo, hi, {}, {}
+
+    def extend(self, key: str, tokens: list[int]) -> None:
+        seq = self.seqs.setdefault(key, [])
+        start = len(seq)
+        seq.extend(tokens)
+        for end in range(max(start, self.lo), len(seq)):
+            for n in range(self.lo, min(self.hi, end) + 1):
+                self.at[tuple(seq[end - n : end])] = (key, end)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["a", "b", "c", "read"]), st.lists(st.integers(0, 3), max_size=6)),
+        max_size=30,
+    )
+)
+def test_deferred_indexing_equals_indexing_at_every_extend(ops: list[tuple[str, list[int]]]) -> None:
+    """Sequences growing in turns (a batch's siblings, step by step), read at any point: the index
+    built on read holds, for every n-gram, the most recent position the eager one holds."""
+    lazy, eager = SuffixIndex(1, 3), _EagerIndex(1, 3)
+    for key, tokens in ops:
+        if key == "read":
+            for n in range(1, 4):
+                for ctx in {tuple(s[-n:]) for s in eager.seqs.values() if len(s) >= n}:
+                    hit = eager.at.get(ctx)
+                    want = eager.seqs[hit[0]][hit[1] : hit[1] + 4] if hit else []
+                    assert lazy.match(list(ctx), 4) == (want, n if want else 0) or (not want)
+            continue
+        lazy.extend(key, tokens)
+        eager.extend(key, tokens)
+    lazy.match([0], 1)  # a read brings the index up to date
+    assert lazy.seqs == eager.seqs and lazy._at == eager.at
+
+
 def test_the_store_counts_what_it_holds_of_a_response() -> None:
     s = _store()
     assert s.generated("r") == 0

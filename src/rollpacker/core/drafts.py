@@ -123,26 +123,41 @@ class SpeculationConfig:
 
 class SuffixIndex:
     """Token sequences indexed by their n-grams (``min_match`` to ``max_match`` tokens): the most
-    recent position that follows each n-gram. Sequences only grow (``extend``)."""
+    recent position that follows each n-gram. Sequences only grow (``extend``).
+
+    ``extend`` only appends: the n-grams are indexed when the index is next read (``match``), in the
+    order the tokens arrived, so the result is that of indexing at every ``extend``. A proposer that
+    feeds every running request's new tokens every step then pays for the index only on the steps
+    that draft (the tail), and never for a group that finishes before one does."""
 
     def __init__(self, min_match: int, max_match: int) -> None:
         self.min_match, self.max_match = min_match, max_match
         self.seqs: dict[str, list[int]] = {}
         self._at: dict[tuple[int, ...], tuple[str, int]] = {}
+        self._pending: list[tuple[str, int, int]] = []  # (key, old length, new length), in arrival order
 
     def extend(self, key: str, tokens: Sequence[int]) -> None:
-        """Append ``tokens`` to sequence ``key`` (created if new) and index the n-grams they end."""
+        """Append ``tokens`` to sequence ``key`` (created if new); their n-grams are indexed on the
+        next read."""
         seq = self.seqs.setdefault(key, [])
         start = len(seq)
         seq.extend(tokens)
+        if len(seq) > start:
+            self._pending.append((key, start, len(seq)))
+
+    def _catch_up(self) -> None:
         # the n-grams ending at each position that now has a continuation (the old last one on);
         # the sequence's own last n-grams wait for the next tokens
-        for end in range(max(start, self.min_match), len(seq)):
-            for n in range(self.min_match, min(self.max_match, end) + 1):
-                self._at[tuple(seq[end - n : end])] = (key, end)
+        pending, self._pending = self._pending, []
+        lo, hi, at = self.min_match, self.max_match, self._at
+        for key, start, stop in pending:
+            seq = self.seqs[key]
+            for end in range(max(start, lo), stop):
+                for n in range(lo, min(hi, end) + 1):
+                    at[tuple(seq[end - n : end])] = (key, end)
 
     def _reindex(self) -> None:
-        seqs, self.seqs, self._at = self.seqs, {}, {}
+        seqs, self.seqs, self._at, self._pending = self.seqs, {}, {}, []
         for k, s in seqs.items():
             self.extend(k, s)
 
@@ -157,6 +172,8 @@ class SuffixIndex:
 
     def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """``draft`` and the length of the match it follows (0: none)."""
+        if self._pending:
+            self._catch_up()
         for n in range(min(self.max_match, len(context)), self.min_match - 1, -1):
             hit = self._at.get(tuple(context[-n:]))
             if hit is None:

@@ -148,6 +148,7 @@ class GroupDraftProposer:
         self._last_end = 0.0  # when the previous propose returned (a step lasts until the next call)
         self._prev_rows: set[str] = set()  # the requests of the previous step
         self._members: dict[str, set[str]] = {}  # group -> its requests still in the batch
+        self._parsed: dict[str, tuple[str, str]] = {}  # request -> (group, prompt key), while running
         self._runner: Any = None
         self._warned = False
         PROPOSERS.append(self)
@@ -233,8 +234,11 @@ class GroupDraftProposer:
                 out.append([])
                 continue
             n, p = int(num_tokens[i]), int(prompt_lens[i])
-            group, prompt_key = parse_request_id(rid)
-            self._members.setdefault(group, set()).add(rid)
+            parsed = self._parsed.get(rid)
+            if parsed is None:
+                parsed = self._parsed[rid] = parse_request_id(rid)
+                self._members.setdefault(parsed[0], set()).add(rid)
+            group, prompt_key = parsed
             prompt = token_ids[i, :p].tolist() if p and not self.store.knows(rid) else ()
             seen = p + self.store.generated(rid)
             self.store.append(rid, group, prompt_key, token_ids[i, seen:n].tolist(), prompt=prompt)
@@ -260,6 +264,7 @@ class GroupDraftProposer:
             gone = members - live
             for rid in gone:
                 self.store.forget(rid)
+                self._parsed.pop(rid, None)
             members -= gone
             if not members:
                 del self._members[group]
