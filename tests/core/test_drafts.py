@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from rollpacker.core.config import config_from_text
 from rollpacker.core.drafts import (
     DraftSource,
     DraftStore,
+    LinearStepTime,
     MeasuredCurve,
     SpeculationConfig,
     SpeculationPolicy,
@@ -22,6 +24,8 @@ from rollpacker.core.drafts import (
     history_from_json,
     history_steps_kept,
     history_to_json,
+    speculation_bound,
+    tokens_per_verify_step,
     worth_enabling,
 )
 from rollpacker.core.errors import ConfigError
@@ -350,3 +354,65 @@ def test_an_engine_that_would_draft_nothing_runs_without_speculation() -> None:
     assert worth_enabling(on, 0.0, exact_sampled=False)  # greedy requests are drafted everywhere
     assert worth_enabling(dataclasses.replace(on, sampled="on"), 1.0, exact_sampled=False)  # forced
     assert not worth_enabling(SpeculationConfig(), 0.0, exact_sampled=True)  # off is off
+
+
+def test_a_least_squares_step_line_recovers_a_linear_curve() -> None:
+    line = LinearStepTime.fit([1, 4, 8, 16, 40], [0.002 + 0.0003 * n for n in (1, 4, 8, 16, 40)])
+    assert (line.intercept, line.per_token) == (pytest.approx(0.002), pytest.approx(0.0003))
+    assert line.r2 == pytest.approx(1.0) and line.points == 5
+    noisy = LinearStepTime.fit([1, 1, 9, 9], [0.001, 0.003, 0.009, 0.011])
+    assert noisy(5) == pytest.approx(0.006) and 0 < noisy.r2 < 1
+    with pytest.raises(ValueError, match="two or more token counts"):
+        LinearStepTime.fit([4, 4], [0.1, 0.2])
+
+
+def test_tokens_per_verify_step_sums_the_survival_by_position() -> None:
+    survival = [0.84, 0.67, 0.57, 0.51]
+    assert tokens_per_verify_step(survival, 0) == 1.0
+    assert tokens_per_verify_step(survival, 2) == pytest.approx(2.51)
+    # a constant per-token acceptance a survives to position i with a^i: the closed form
+    a = 0.7
+    assert tokens_per_verify_step([a**i for i in range(1, 5)], 4) == pytest.approx(expected_tokens(a, 4))
+    with pytest.raises(ValueError, match="survival measured for 4 positions"):
+        tokens_per_verify_step(survival, 5)
+
+
+def test_on_a_flat_curve_the_bound_is_the_expected_tokens_per_step() -> None:
+    a, k = 0.7, 4
+    survival = [a**i for i in range(1, k + 1)]
+    bound = speculation_bound({1: 2.0, 8: 1.0}, 10.0, lambda b: 0.01, lambda n: 0.01, survival)
+    assert bound.tail_share == pytest.approx(0.3)
+    assert bound.best_k == {1: k, 8: k}
+    assert bound.tail_speedup == pytest.approx(expected_tokens(a, k))
+    assert bound.step_speedup == pytest.approx(1 / (0.7 + 0.3 / expected_tokens(a, k)))
+    assert bound.step_speedup_instant_tail == pytest.approx(1 / 0.7)
+
+
+def test_on_a_steep_curve_the_bound_drafts_less_and_weighs_batch_sizes_by_their_seconds() -> None:
+    survival = [0.8, 0.6, 0.5, 0.4]
+    plain = {1: 0.002, 16: 0.006}
+
+    def spec(n: float) -> float:  # a step costs 2 ms plus 0.25 ms a verified token
+        return 0.002 + 0.00025 * n
+
+    bound = speculation_bound({1: 3.0, 16: 1.0}, 8.0, plain.__getitem__, spec, survival)
+
+    def best(b: int) -> tuple[float, int]:
+        return max(
+            [(1.0, 0)]
+            + [(tokens_per_verify_step(survival, k) * plain[b] / spec(b * (k + 1)), k) for k in range(1, 5)]
+        )
+
+    assert bound.speedup_by_batch == {1: pytest.approx(best(1)[0]), 16: pytest.approx(best(16)[0])}
+    assert bound.best_k == {1: best(1)[1], 16: best(16)[1]}
+    assert bound.best_k[1] > bound.best_k[16]  # drafting costs more at the larger batch
+    expected_tail = 4.0 / (3.0 / best(1)[0] + 1.0 / best(16)[0])
+    assert bound.tail_speedup == pytest.approx(expected_tail)
+    assert bound.step_speedup == pytest.approx(1 / (0.5 + 0.5 / expected_tail))
+
+
+def test_a_step_target_past_an_instant_tail_is_out_of_reach() -> None:
+    bound = speculation_bound({4: 1.0}, 4.0, lambda b: 0.01, lambda n: 0.01, [0.5])  # tail share 25 %
+    assert bound.tail_speedup_needed(1.15) == pytest.approx(0.25 / (0.25 - (1 - 1 / 1.15)))
+    assert math.isinf(bound.tail_speedup_needed(1.5))  # 1 / (1 - 0.25) = 1.33x at most
+    assert bound.as_dict(1.5)["tail_speedup_needed"] is None

@@ -40,6 +40,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollpacker.core.errors import ConfigError
 
@@ -478,3 +479,118 @@ class SpeculationPolicy:
                 self._plain_since_probe = 0
                 return k_max
         return k
+
+
+@dataclass(frozen=True)
+class LinearStepTime:
+    """Engine step seconds as ``intercept + per_token * n`` for ``n`` tokens verified in the step
+    (requests plus their drafts): a least-squares line through measured steps, with its fit."""
+
+    intercept: float
+    per_token: float
+    points: int
+    r2: float
+
+    def __call__(self, n: float) -> float:
+        return self.intercept + self.per_token * n
+
+    @classmethod
+    def fit(cls, tokens: Sequence[float], seconds: Sequence[float]) -> LinearStepTime:
+        if len(tokens) != len(seconds) or len(set(tokens)) < 2:
+            raise ValueError("a step-time line needs steps at two or more token counts")
+        n = len(tokens)
+        mx, my = sum(tokens) / n, sum(seconds) / n
+        sxx = sum((x - mx) ** 2 for x in tokens)
+        sxy = sum((x - mx) * (y - my) for x, y in zip(tokens, seconds, strict=True))
+        b = sxy / sxx
+        a = my - b * mx
+        ss_res = sum((y - a - b * x) ** 2 for x, y in zip(tokens, seconds, strict=True))
+        ss_tot = sum((y - my) ** 2 for y in seconds)
+        return cls(a, b, n, 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0)
+
+
+def tokens_per_verify_step(survival: Sequence[float], k: int) -> float:
+    """Tokens a request gains per verify step with ``k`` drafted tokens, from the measured chance a
+    draft survives to each position (``survival[i - 1]``: its first ``i`` tokens all accepted,
+    the per-position acceptance of ``core.metrics.acceptance_by_position``), plus the sampled one."""
+    if k > len(survival):
+        raise ValueError(f"k={k} drafted tokens but survival measured for {len(survival)} positions")
+    return 1.0 + sum(survival[:k])
+
+
+@dataclass(frozen=True)
+class SpeculationBound:
+    """The most drafting could speed up a rollout whose engine time is ``tail_share`` in the tail,
+    on a measured step-time curve at a measured acceptance (``speculation_bound``)."""
+
+    tail_share: float
+    best_k: dict[int, int]  # batch size in the tail -> the draft length that maximises its speed
+    speedup_by_batch: dict[int, float]
+    tail_speedup: float  # over the whole tail, its seconds weighted by batch size
+    step_speedup: float  # the rollout's, the rest of its engine time unchanged
+    step_speedup_instant_tail: float  # the rollout's with a tail that took no time at all
+
+    def tail_speedup_needed(self, step_target: float) -> float:
+        """The tail speedup a rollout speedup of ``step_target`` needs (inf: even an instant tail
+        falls short)."""
+        cut = 1.0 - 1.0 / step_target
+        return math.inf if cut >= self.tail_share else self.tail_share / (self.tail_share - cut)
+
+    def as_dict(self, step_target: float) -> dict[str, Any]:
+        needed = self.tail_speedup_needed(step_target)
+        return {
+            "tail_share": self.tail_share,
+            "best_k_by_batch": {str(b): k for b, k in self.best_k.items()},
+            "tail_speedup_by_batch": {str(b): s for b, s in self.speedup_by_batch.items()},
+            "tail_speedup": self.tail_speedup,
+            "step_speedup": self.step_speedup,
+            "step_speedup_instant_tail": self.step_speedup_instant_tail,
+            "step_target": step_target,
+            "tail_speedup_needed": None if math.isinf(needed) else needed,
+        }
+
+
+def speculation_bound(
+    tail_seconds: Mapping[int, float],
+    total_seconds: float,
+    plain_step_s: Callable[[int], float],
+    spec_step_s: Callable[[float], float],
+    survival: Sequence[float],
+) -> SpeculationBound:
+    """An upper bound on what speculative decoding can give a rollout, from measurements.
+
+    ``tail_seconds``: the plain engine's seconds at each batch size in the tail (the steps where
+    drafting can pay), out of ``total_seconds`` of engine time; ``plain_step_s(b)``: the plain
+    engine's step seconds at batch ``b``; ``spec_step_s(n)``: the speculative engine's step seconds
+    with ``n`` tokens verified; ``survival``: the measured per-position acceptance (its length is
+    the largest ``k`` considered). At each batch size ``b`` the best ``k`` gives
+    ``tokens_per_verify_step(k) * plain_step_s(b) / spec_step_s(b (k + 1))`` times the plain
+    speed (``k = 0``: the plain engine, 1x). Optimistic on purpose: every request drafts ``k``
+    tokens every step at the measured acceptance, and the steps outside the tail keep the plain
+    engine's time (on such a curve drafting does not pay there, and the speculative engine's own
+    cost there is left out), so no drafter at this acceptance does better on this curve. The
+    drafting's cost is what ``spec_step_s`` measured (the bench's step times include it)."""
+    if total_seconds <= 0:
+        raise ValueError("no engine time to bound")
+    tail_s = sum(tail_seconds.values())
+    share = min(tail_s / total_seconds, 1.0)
+    best_k: dict[int, int] = {}
+    by_batch: dict[int, float] = {}
+    for b in sorted(tail_seconds):
+        options = [(1.0, 0)] + [
+            (tokens_per_verify_step(survival, k) * plain_step_s(b) / spec_step_s(b * (k + 1)), k)
+            for k in range(1, len(survival) + 1)
+            if spec_step_s(b * (k + 1)) > 0
+        ]
+        by_batch[b], best_k[b] = max(options)
+    after = sum(s / by_batch[b] for b, s in tail_seconds.items())
+    tail_speedup = tail_s / after if after > 0 else 1.0
+    rest = 1.0 - share
+    return SpeculationBound(
+        tail_share=share,
+        best_k=best_k,
+        speedup_by_batch=by_batch,
+        tail_speedup=tail_speedup,
+        step_speedup=1.0 / (rest + share / tail_speedup),
+        step_speedup_instant_tail=math.inf if rest <= 0 else 1.0 / rest,
+    )

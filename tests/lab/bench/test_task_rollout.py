@@ -20,6 +20,7 @@ from rollpacker.lab.bench.task_rollout import (
     TaskBenchOptions,
     gpu_estimate,
     lossless_check,
+    measured_bound,
     render,
     run_arms,
     spec_stats,
@@ -73,6 +74,32 @@ def test_gpu_estimate_follows_the_expected_tokens_per_step() -> None:
     assert est["tokens_per_tail_step"] == pytest.approx(per)
     assert est["rollout_speedup"] == pytest.approx(1 / (0.4 + 0.6 / per))
     assert gpu_estimate(1.0, 0.7, 4)["rollout_speedup"] == pytest.approx(per)  # all tail: the per-step gain
+
+
+def test_the_measured_bound_is_read_from_both_arms_engine_steps() -> None:
+    plain, spec = PolicyRun(policy="tail_batching"), PolicyRun(policy="tail_batching+spec")
+    # the plain arm: 6 s outside the tail, 2 s at batch 1 and 2 s at batch 4 (medians 10 ms, 20 ms)
+    plain.engine_steps = [_step(32, 6.0, 32)] + [_step(1, 0.01, 1)] * 200 + [_step(4, 0.02, 4)] * 100
+    # the speculative arm's tail steps lie on 5 ms + 2.5 ms per verified token
+    spec.engine_steps = [_step(32, 6.0, 32)] + [
+        _step(b, 0.005 + 0.0025 * (b + d), b + d, d, d // 2)
+        for b, d in [(1, 0), (1, 3), (4, 0), (4, 8), (4, 12)]
+    ]
+    b = measured_bound(plain, spec, tail_batch=16, survival=[0.8, 0.6, 0.5])
+    assert b is not None
+    line = b["spec_step_s_line"]
+    assert (line["intercept"], line["per_token"], line["points"]) == (
+        pytest.approx(0.005),
+        pytest.approx(0.0025),
+        5,
+    )
+    assert b["tail_share"] == pytest.approx(0.4)
+    assert b["plain_step_s_by_batch"] == {"1": pytest.approx(0.01), "4": pytest.approx(0.02)}
+    at1 = max([1.0] + [(1 + sum([0.8, 0.6, 0.5][:k])) * 0.01 / (0.005 + 0.0025 * (k + 1)) for k in (1, 2, 3)])
+    assert b["tail_speedup_by_batch"]["1"] == pytest.approx(at1)
+    assert b["step_speedup"] < 1 / 0.6 and b["step_speedup"] > 1
+    assert b["spec_step_s_by_tokens"]["16"] == {"median": pytest.approx(0.045), "steps": 1}
+    assert measured_bound(plain, spec, tail_batch=16, survival=[0.0, 0.0]) is None  # nothing accepted
 
 
 CFG = """

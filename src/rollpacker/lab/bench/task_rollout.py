@@ -46,6 +46,10 @@ the speed figures are real, the samples are not the target distribution's.
 ``gpu_estimate`` puts the measured tail share beside the
 rollout speedup the measured acceptance would give on an engine whose step time does not grow
 with the tokens verified (a GPU decode step at small batch): a computed estimate, not a measurement.
+``measured_bound`` is the bound on this engine instead (``core.drafts.speculation_bound``): from the
+run's own engine steps (the plain arm's time per batch size in its tail, the speculative arm's step
+time by tokens verified) and the measured acceptance by position, the most drafting could speed up
+the tail and the rollout, and the tail speedup a 1.15x rollout would need.
 """
 
 from __future__ import annotations
@@ -53,12 +57,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rollpacker.core.config import ExperimentConfig, PolicyName
-from rollpacker.core.drafts import expected_tokens, worth_enabling
+from rollpacker.core.drafts import LinearStepTime, expected_tokens, speculation_bound, worth_enabling
 from rollpacker.core.errors import ConfigError
 from rollpacker.core.metrics import RolloutMetrics, acceptance_by_position, sum_per_position
 from rollpacker.core.policies.base import RolloutPolicy
@@ -185,6 +190,51 @@ def gpu_estimate(tail_share: float, acceptance: float, k: int) -> dict[str, floa
         "k": float(k),
         "tokens_per_tail_step": per_step,
         "rollout_speedup": 1.0 / (rest + tail_share / per_step) if per_step > 0 else 1.0,
+    }
+
+
+STEP_TARGET = 1.15  # the rollout speedup per trained step the speculative tail is asked for
+
+
+def measured_bound(
+    plain: PolicyRun, spec: PolicyRun, tail_batch: int, survival: Sequence[float]
+) -> dict[str, Any] | None:
+    """What drafting can give at most on this engine, from the two arms' own engine steps
+    (``core.drafts.speculation_bound``): the plain arm's seconds per batch size in its tail and its
+    step time there (the median per batch size), the speculative arm's step time by tokens verified
+    (a least-squares line through its tail steps), and the measured per-position acceptance. None
+    when there is nothing to fit (no drafts, or steps at one token count only)."""
+    tail = [st for st in plain.engine_steps if 0 < st.num_running <= tail_batch]
+    spec_tail = [st for st in spec.engine_steps if 0 < st.num_running <= tail_batch]
+    total = sum(st.duration_s for st in plain.engine_steps)
+    if not tail or not any(survival) or total <= 0:
+        return None
+    by_batch: dict[int, list[float]] = {}
+    for st in tail:
+        by_batch.setdefault(st.num_running, []).append(st.duration_s)
+    plain_median = {b: statistics.median(v) for b, v in by_batch.items()}
+    try:
+        line = LinearStepTime.fit(
+            [float(st.num_running + st.spec_draft_tokens) for st in spec_tail],
+            [st.duration_s for st in spec_tail],
+        )
+    except ValueError:
+        return None
+    bound = speculation_bound(
+        {b: sum(v) for b, v in by_batch.items()}, total, plain_median.__getitem__, line, survival
+    )
+    verified: dict[int, list[float]] = {}
+    for st in spec_tail:
+        verified.setdefault(st.num_running + st.spec_draft_tokens, []).append(st.duration_s)
+    return {
+        **bound.as_dict(STEP_TARGET),
+        "survival": list(survival),
+        "plain_step_s_by_batch": {str(b): plain_median[b] for b in sorted(plain_median)},
+        "plain_steps_by_batch": {str(b): len(by_batch[b]) for b in sorted(by_batch)},
+        "spec_step_s_line": dataclasses.asdict(line),
+        "spec_step_s_by_tokens": {
+            str(n): {"median": statistics.median(v), "steps": len(v)} for n, v in sorted(verified.items())
+        },
     }
 
 
@@ -560,6 +610,14 @@ def _report(
         "gpu_estimate": gpu_estimate(arms["tail_batching"]["tail_share"], measured, k)
         if measured > 0
         else None,
+        "measured_bound": measured_bound(
+            runs["tail_batching"],
+            runs["tail_batching+spec"],
+            tail_batch,
+            arms["tail_batching+spec"]["acceptance_by_position"],
+        )
+        if spec_pair
+        else None,
         "per_step": {name: [m.as_dict() for m in runs[name].steps] for name in arms},
     }
 
@@ -645,6 +703,7 @@ def render(report: dict[str, Any]) -> str:
                 f"tail batching's rollout would be {est['rollout_speedup']:.2f}x faster with drafts"
             ),
         ]
+    lines += _render_bound(report.get("measured_bound"))
     lines += [
         "",
         *legend(
@@ -660,6 +719,33 @@ def render(report: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines)
+
+
+def _render_bound(b: dict[str, Any] | None) -> list[str]:
+    if not b:
+        return []
+    line = b["spec_step_s_line"]
+    per_batch = ", ".join(
+        f"{n}: k={b['best_k_by_batch'][n]} {x:.2f}x" for n, x in b["tail_speedup_by_batch"].items()
+    )
+    needed = b["tail_speedup_needed"]
+    need = (
+        f"a {b['step_target']:.2f}x step needs the tail {needed:.2f}x faster"
+        if needed is not None
+        else f"a {b['step_target']:.2f}x step is out of reach even with an instant tail"
+    )
+    return [
+        "",
+        *wrap(
+            f"BOUND (from this run's measured curves): the speculative engine's tail step takes "
+            f"{line['intercept'] * 1e3:.1f} ms + {line['per_token'] * 1e3:.2f} ms per verified token "
+            f"(R^2 {line['r2']:.2f}, {line['points']} steps, drafting included); with every request "
+            f"drafting the best k each step at the measured acceptance by position, the tail could run "
+            f"at most {b['tail_speedup']:.2f}x (by batch size {per_batch}); tail batching's tail is "
+            f"{b['tail_share']:.0%} of its engine time, so the rollout at most "
+            f"{b['step_speedup']:.2f}x ({b['step_speedup_instant_tail']:.2f}x with an instant tail); {need}"
+        ),
+    ]
 
 
 def _render_repeats(report: dict[str, Any]) -> list[str]:
