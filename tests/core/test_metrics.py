@@ -6,6 +6,7 @@ import pytest
 
 from rollpacker.core.metrics import (
     acceptance_by_position,
+    bubble_parts,
     bubble_ratio,
     percentile,
     rollout_metrics,
@@ -37,6 +38,24 @@ def test_bubble_ratio_counts_gaps_and_full_engine() -> None:
     assert bubble_ratio([_st(2.0, 8)], 3.0, 8) == pytest.approx(1 / 3)
     with pytest.raises(ValueError):
         bubble_ratio([], 1.0, 0)
+
+
+def test_bubble_parts_split_eq4_into_time_between_steps_and_empty_slots() -> None:
+    # Q=4 over 5 s: 1 s full, 3 s with 1 running (9 empty slot-seconds), 1 s with no step at all
+    steps = [_st(1.0, 4), _st(3.0, 1)]
+    parts = bubble_parts(steps, 5.0, 4)
+    assert parts.outside_steps == pytest.approx(1 / 5)
+    assert parts.under_filled == pytest.approx(9 / 20)
+    assert parts.outside_steps + parts.under_filled == pytest.approx(bubble_ratio(steps, 5.0, 4))
+    assert bubble_parts([_st(2.0, 8)], 3.0, 8).under_filled == 0.0  # a full engine: all gap
+    assert bubble_parts([], 0.0, 8) == bubble_parts([_st(1.0, 9)], 1.0, 8)  # nothing idle either way
+    rng = random.Random(5)
+    for _ in range(200):
+        steps = [_st(rng.uniform(0.001, 0.1), rng.randint(0, 12)) for _ in range(rng.randint(0, 20))]
+        total = sum(s.duration_s for s in steps) * rng.uniform(0.95, 1.5)
+        p = bubble_parts(steps, total, 8)
+        assert p.outside_steps >= 0 and p.under_filled >= 0
+        assert p.outside_steps + p.under_filled == pytest.approx(bubble_ratio(steps, total, 8), abs=1e-9)
 
 
 def test_percentile_matches_linear_interpolation() -> None:

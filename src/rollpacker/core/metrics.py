@@ -47,6 +47,32 @@ def bubble_ratio(steps: Sequence[EngineStepStats], total_time_s: float, concurre
     return min(1.0, max(0.0, 1.0 - busy / (total_time_s * concurrency)))
 
 
+@dataclass(frozen=True)
+class BubbleParts:
+    """Where eq. 4's idle slot-seconds of a rollout went: ``outside_steps``, the share of the
+    rollout's time with no engine step running (the driver's work between steps: launching and
+    aborting requests, a round's start and end), and ``under_filled``, the slots left empty during
+    engine steps (fewer than ``Q`` requests running). They sum to ``bubble_ratio``."""
+
+    outside_steps: float
+    under_filled: float
+
+
+def bubble_parts(steps: Sequence[EngineStepStats], total_time_s: float, concurrency: int) -> BubbleParts:
+    """``bubble_ratio``'s two parts (``BubbleParts``); engine steps that overran ``total_time_s``
+    (a clock's rounding) count as filling it."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency (Q) must be >= 1, got {concurrency}")
+    if total_time_s <= 0:
+        return BubbleParts(0.0, 0.0)
+    stepped = sum(s.duration_s for s in steps)
+    outside = max(0.0, total_time_s - stepped) / total_time_s
+    busy = sum(min(s.num_running, concurrency) * s.duration_s for s in steps)
+    total = bubble_ratio(steps, total_time_s, concurrency)
+    under = max(0.0, (stepped * concurrency - busy) / (total_time_s * concurrency))
+    return BubbleParts(min(outside, total), max(0.0, min(under, total - min(outside, total))))
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default method); 0.0 for no values."""
     if not values:

@@ -126,6 +126,23 @@ def test_the_sorted_arms_keep_the_engine_at_q_in_every_round_but_a_groups_last(f
     assert "before each group's drain" in render_table(five)
 
 
+def test_each_arms_bubble_is_split_into_its_parts_and_the_drains_share(five) -> None:
+    pol = five["policies"]
+    for arm, s in pol.items():
+        assert s["bubble_outside_steps"] + s["bubble_under_filled"] == pytest.approx(s["bubble_ratio"]), arm
+    for arm in ("sorted", "sorted_partial"):
+        s, steps = pol[arm], five["per_step"][arm]
+        t = sum(m["time_s"] for m in steps)
+        kept = sum(m["time_s"] for i, m in enumerate(steps) if i % 4 != 3) / t
+        # the rounds before each drain and the drains, weighted by their time, make the arm's ratio
+        assert s["bubble_ratio_before_drain"] * kept + s["bubble_in_drains"] == pytest.approx(
+            s["bubble_ratio"]
+        )
+        assert s["bubble_in_drains"] > s["bubble_ratio"] / 2, arm  # the drains hold most of it here
+    assert pol["sync"]["bubble_in_drains"] is None
+    assert "where the idle slots went: sync" in " ".join(render_table(five).split())
+
+
 def test_on_policy_arms_have_no_lag_and_partial_arms_do(five) -> None:
     pol = five["policies"]
     for name in ("sync", "tail_batching", "sorted"):

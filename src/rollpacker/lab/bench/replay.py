@@ -66,6 +66,7 @@ arXiv:2603.23414, section 4.4.1) is reported beside the measured sync -> sorted 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -76,7 +77,7 @@ from typing import Any
 
 from rollpacker.core.config import EngineConfig, PolicyName, RolloutConfig, SortedConfig, SortedMode
 from rollpacker.core.errors import ConfigError, PolicyError, RollpackerError
-from rollpacker.core.metrics import RolloutMetrics, bubble_ratio, percentile, throughput
+from rollpacker.core.metrics import RolloutMetrics, bubble_parts, bubble_ratio, percentile, throughput
 from rollpacker.core.policies.base import RolloutPolicy, SamplingFactory
 from rollpacker.core.policies.partial import PartialPolicy
 from rollpacker.core.policies.sorted import SortedPolicy
@@ -622,6 +623,10 @@ class PolicyRun:
             "aborted_requests": sum(m.aborted_requests for m in self.steps),
             "preemptions": sum(m.preemptions for m in self.steps),
             "bubble_ratio": bubble_ratio(self.engine_steps, time_s, concurrency),
+            **{
+                f"bubble_{k}": v
+                for k, v in dataclasses.asdict(bubble_parts(self.engine_steps, time_s, concurrency)).items()
+            },
             **throughput(generated, trained, wasted, time_s, n).as_dict(),
             "efficiency": ((trained / saturated_tps) / time_s if time_s > 0 and saturated_tps > 0 else 0.0),
             "policy_lag": lag / trained if trained else 0.0,
@@ -912,9 +917,9 @@ def _summaries(
     """Each arm's summary in report order, with its speedup over sync and its ``speedup_note``."""
     summaries = {name: runs[name].summary(concurrency, sat) for name in ALL_POLICIES if name in runs}
     for name, s in summaries.items():
-        s["bubble_ratio_before_drain"] = (
-            bubble_before_drain(runs[name], group_size) if name in ("sorted", "sorted_partial") else None
-        )
+        buffered = name in ("sorted", "sorted_partial")
+        s["bubble_ratio_before_drain"] = bubble_before_drain(runs[name], group_size) if buffered else None
+        s["bubble_in_drains"] = bubble_in_drains(runs[name], group_size) if buffered else None
     base = summaries["sync"]
     for s in summaries.values():
         s["speedup"], s["speedup_note"] = _speedup(s, base, group_size)
@@ -930,6 +935,15 @@ def bubble_before_drain(run: PolicyRun, group_size: int) -> float:
     kept = [m for i, m in enumerate(run.steps) if i % group_size != group_size - 1]
     t = sum(m.time_s for m in kept)
     return sum(m.bubble_ratio * m.time_s for m in kept) / t if t > 0 else 0.0
+
+
+def bubble_in_drains(run: PolicyRun, group_size: int) -> float:
+    """The part of a sorted arm's bubble ratio spent in its groups' last rounds (their idle
+    slot-seconds over the arm's): with ``bubble_ratio_before_drain`` weighted by the other rounds'
+    share of the time, the arm's bubble ratio."""
+    t = run.time_s
+    last = [m for i, m in enumerate(run.steps) if i % group_size == group_size - 1]
+    return sum(m.bubble_ratio * m.time_s for m in last) / t if t > 0 else 0.0
 
 
 def _speedup(arm: dict[str, Any], sync: dict[str, Any], group_size: int) -> tuple[float | None, str | None]:
@@ -1205,6 +1219,17 @@ def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
         for k, v in m.items()
         if k != "baseline"
     )
+    parts = "; ".join(
+        f"{k} {pol[k]['bubble_ratio']:.1%} = {pol[k]['bubble_outside_steps']:.1%} outside engine steps + "
+        f"{pol[k]['bubble_under_filled']:.1%} under-filled steps"
+        + (
+            f" ({pol[k]['bubble_in_drains']:.1%} of it in the groups' last rounds)"
+            if pol[k].get("bubble_in_drains") is not None
+            else ""
+        )
+        for k in ("sync", *(k for k in m if k != "baseline"))
+        if "bubble_outside_steps" in pol.get(k, {})
+    )
     return [
         "",
         *wrap(
@@ -1213,6 +1238,7 @@ def _sortedrl_lines(report: dict[str, Any]) -> list[str]:
             f"baseline {pp['baseline']:.0%} -> sorted {pp['sorted']:.2%}, "
             f"sorted_partial {pp['sorted_partial']:.2%}"
         ),
+        *(wrap(f"where the idle slots went: {parts}") if parts else []),
     ]
 
 
