@@ -40,7 +40,6 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from rollpacker.core.errors import ConfigError
 
@@ -536,7 +535,7 @@ class SpeculationBound:
         cut = 1.0 - 1.0 / step_target
         return math.inf if cut >= self.tail_share else self.tail_share / (self.tail_share - cut)
 
-    def as_dict(self, step_target: float) -> dict[str, Any]:
+    def as_dict(self, step_target: float) -> dict[str, object]:
         needed = self.tail_speedup_needed(step_target)
         return {
             "tail_share": self.tail_share,
