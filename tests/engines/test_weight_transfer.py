@@ -133,6 +133,38 @@ def test_a_worker_loads_in_place_only_where_vllm_keeps_the_checkpoint_layout() -
     assert not wt.loads_in_place("cuda", "fp8")  # quantized weights are processed after loading
 
 
+def test_on_cpu_norms_and_embeddings_load_in_place_and_the_rest_layerwise() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    def layer(method: Any = None, params: bool = True) -> torch.nn.Module:
+        m = torch.nn.Module()
+        if params:
+            m.weight = torch.nn.Parameter(torch.ones(4))
+        if method is not None:
+            m.quant_method = method
+        return m
+
+    assert wt.keeps_checkpoint_layout(layer())  # a norm: its weight is what the checkpoint holds
+    assert wt.keeps_checkpoint_layout(layer(UnquantizedEmbeddingMethod()))  # packed copy kept aside
+    assert not wt.keeps_checkpoint_layout(layer(UnquantizedLinearMethod()))  # CPU repacks its weight
+    assert not wt.keeps_checkpoint_layout(layer(params=False))  # a container: nothing of its own
+
+
+def test_a_tied_heads_second_name_is_dropped_from_an_in_place_load() -> None:
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(5, 3)
+    model.head = torch.nn.Linear(3, 5, bias=False)
+    model.head.weight = model.embed.weight  # tied: one parameter, two names
+    assert wt.tied_aliases(model) == frozenset({"head.weight"})
+    calls: list[list[str]] = []
+    load = wt.without(wt.tied_aliases(model), lambda b: calls.append([n for n, _ in b]))
+    t = torch.zeros(1)
+    load([("embed.weight", t), ("head.weight", t)])
+    load([("head.weight", t)])  # a bucket of aliases only: nothing to load
+    assert calls == [["embed.weight"]]
+
+
 @pytest.mark.slow
 def test_a_collective_push_into_vllm_serves_the_trainers_weights(tmp_path: Any) -> None:
     """One tiny engine (~1-2 min to start here): the collective push loads the same parameters as

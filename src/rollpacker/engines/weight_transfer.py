@@ -25,9 +25,13 @@ CUDA only, and checks nothing on arrival. Ours is plain ``torch.distributed`` on
   (no packing copy); the worker allocates the bucket, receives it, recomputes the digest and loads
   it before the next bucket arrives, so it never holds more than a bucket in flight: on CUDA with
   an unquantized model straight into the parameters (``model.load_weights``: the receive buffer
-  and one copy, the two full-model copies of a push), elsewhere inside vLLM's layerwise reload,
-  which restores the layouts its kernels repacked (CPU GEMM weights, quantized ones) and re-runs
-  the post-load processing (``loads_in_place``);
+  and one copy, the two full-model copies of a push); on CPU (unquantized) the layers whose
+  parameters keep the checkpoint layout (norms, embeddings, the LM head: ``keeps_checkpoint_layout``)
+  straight into them too, and the linear layers, whose weights vLLM's CPU backend repacks,
+  through vLLM's layerwise reload, which loads them in checkpoint layout and re-runs the post-load
+  processing (``start_partial_reload``; the embeddings' packed GEMM copy is then rebuilt,
+  ``reprocess``); a quantized model takes the layerwise reload for every layer
+  (``loads_in_place``). A tied head's second name is not loaded (``tied_aliases``);
 - a digest that disagrees fails the push naming the bucket; the worker drains the rest of the
   stream without loading it, so both sides stay aligned, and the engine must then be reloaded
   from the checkpoint (the object-store path) before it samples again;
@@ -313,6 +317,81 @@ def loads_in_place(device_type: str, quantization: str | None) -> bool:
     return device_type == "cuda" and not quantization
 
 
+def keeps_checkpoint_layout(layer: Any) -> bool:
+    """Whether an unquantized model's layer keeps its parameters in checkpoint layout through
+    vLLM's post-load processing, so a push can load them in place (one copy) instead of through
+    the layerwise reload (which loads into a re-created layer and copies the result back): a layer
+    with parameters of its own and no quantization method (norms), or an embedding / LM head,
+    whose processing on CPU packs a copy for its GEMM and keeps ``weight`` (it is then processed
+    again, ``reprocess``). Linear layers (whose weight the CPU processing replaces by a packed one)
+    and attention layers (processed at the reload's end) take the layerwise path."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    if not any(p is not None for p in layer._parameters.values()) or is_deferred_attention_layer(layer):
+        return False
+    method = getattr(layer, "quant_method", None)
+    return method is None or isinstance(method, UnquantizedEmbeddingMethod)
+
+
+def start_partial_reload(model: Any) -> list[Any]:
+    """vLLM's layerwise reload (``initialize_layerwise_reload``) for the layers that need it; the
+    others (``keeps_checkpoint_layout``) keep their parameters and original weight loaders, so
+    ``model.load_weights`` writes their tensors straight into them. The in-place layers, for
+    ``reprocess`` once the push is loaded."""
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        initialize_online_processing,
+    )
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    # as initialize_layerwise_reload does, for the layers that need it only
+    model._original_do_torchao_reload = getattr(model, "_do_torchao_reload", False)
+    model._do_torchao_reload = False
+    in_place: list[Any] = []
+    for layer in model.modules():
+        if keeps_checkpoint_layout(layer):
+            in_place.append(layer)
+            continue
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            continue
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
+    return in_place
+
+
+def tied_aliases(model: Any) -> frozenset[str]:
+    """The parameter names that are another name of a parameter the model already lists (a tied
+    LM head: ``lm_head.weight`` is ``model.embed_tokens.weight``). A push loaded in place skips
+    them: vLLM's loader skips a tied alias and refuses a load call that holds it without the
+    parameter it is tied to, and the buckets of a push are separate calls."""
+    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return frozenset(every - {n for n, _ in model.named_parameters()})
+
+
+def without(names: frozenset[str], load: Callable[[list[tuple[str, Any]]], Any]) -> Callable[..., Any]:
+    """``load`` of a bucket without the tensors named in ``names``."""
+
+    def filtered(bucket: list[tuple[str, Any]]) -> Any:
+        kept = [(n, t) for n, t in bucket if n not in names]
+        return load(kept) if kept else None
+
+    return filtered
+
+
+def reprocess(layers: Iterable[Any]) -> None:
+    """Re-run the post-load processing of layers loaded in place whose processing derives state
+    from their weights (an embedding or LM head's packed GEMM copy on CPU)."""
+    for layer in layers:
+        method = getattr(layer, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(layer)
+
+
 def worker_rank(parallel_config: Any) -> int:
     """A vLLM worker's rank among all the engine's workers (every DP replica, TP x PP each)."""
     dp = int(getattr(parallel_config, "data_parallel_index", 0) or 0)
@@ -357,6 +436,7 @@ def vllm_engine_class() -> type:
             self.pg: Any = None
             self.report: PushReport | None = None
             self.in_place = False
+            self.in_place_layers: list[Any] = []  # loaded straight into their parameters (CPU)
 
         def init_transfer_engine(self, init_info: InitInfo) -> None:
             group = TransferGroup.from_json(init_info.group, where="weight transfer group")
@@ -367,14 +447,21 @@ def vllm_engine_class() -> type:
             from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
             self.in_place = loads_in_place(self.device.type, self.model_config.quantization)
-            if not self.in_place:
+            self.in_place_layers = []
+            if self.in_place:
+                return
+            if self.model_config.quantization:
                 initialize_layerwise_reload(self.model)
+            else:  # norms and embeddings in place, the rest (repacked GEMM weights) layerwise
+                self.in_place_layers = start_partial_reload(self.model)
 
         def receive_weights(self, update_info: UpdateInfo) -> None:
             if self.pg is None:
                 raise EngineError("weight push before init_weight_transfer_engine")
             model: Any = self.model
             load = model.load_weights
+            if self.in_place_layers:
+                load = without(tied_aliases(model), load)
             if update_info.keep_dir and int(self.parallel_config.rank) == 0:
                 load = keeping(load, update_info.keep_dir)
             self.report = receive(self.pg, self.device, load)
@@ -384,6 +471,8 @@ def vllm_engine_class() -> type:
 
             if not self.in_place:
                 finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+                reprocess(self.in_place_layers)
+                self.in_place_layers = []
 
         def shutdown(self) -> None:
             self.pg = None
