@@ -163,6 +163,12 @@ def test_a_tied_heads_second_name_is_dropped_from_an_in_place_load() -> None:
     load([("embed.weight", t), ("head.weight", t)])
     load([("head.weight", t)])  # a bucket of aliases only: nothing to load
     assert calls == [["embed.weight"]]
+    # a worker that loads straight into its parameters (CUDA in place, CPU's norms and
+    # embeddings) skips the alias; the layerwise reload (a quantized model) gets every name
+    model.load_weights = lambda b: calls.append([n for n, _ in b])
+    wt.bucket_loader(model, straight=True)([("embed.weight", t), ("head.weight", t)])
+    wt.bucket_loader(model, straight=False)([("embed.weight", t), ("head.weight", t)])
+    assert calls[1:] == [["embed.weight"], ["embed.weight", "head.weight"]]
 
 
 @pytest.mark.slow

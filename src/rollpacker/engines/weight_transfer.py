@@ -383,6 +383,15 @@ def without(names: frozenset[str], load: Callable[[list[tuple[str, Any]]], Any])
     return filtered
 
 
+def bucket_loader(model: Any, straight: bool) -> Callable[[list[tuple[str, Any]]], Any]:
+    """How a worker loads a bucket: ``model.load_weights``; where tensors go straight into the
+    live parameters (``straight``: CUDA's in-place load, CPU's norms and embeddings) without a
+    tied head's second name, which vLLM's loader refuses in a call that lacks the embedding it is
+    tied to (the head and the embedding are in different buckets of any model over a bucket)."""
+    load: Callable[[list[tuple[str, Any]]], Any] = model.load_weights
+    return without(tied_aliases(model), load) if straight else load
+
+
 def reprocess(layers: Iterable[Any]) -> None:
     """Re-run the post-load processing of layers loaded in place whose processing derives state
     from their weights (an embedding or LM head's packed GEMM copy on CPU)."""
@@ -459,9 +468,7 @@ def vllm_engine_class() -> type:
             if self.pg is None:
                 raise EngineError("weight push before init_weight_transfer_engine")
             model: Any = self.model
-            load = model.load_weights
-            if self.in_place_layers:
-                load = without(tied_aliases(model), load)
+            load = bucket_loader(model, self.in_place or bool(self.in_place_layers))
             if update_info.keep_dir and int(self.parallel_config.rank) == 0:
                 load = keeping(load, update_info.keep_dir)
             self.report = receive(self.pg, self.device, load)
