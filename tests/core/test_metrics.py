@@ -47,7 +47,7 @@ def test_bubble_parts_split_eq4_into_time_between_steps_and_empty_slots() -> Non
     assert parts.outside_steps == pytest.approx(1 / 5)
     assert parts.under_filled == pytest.approx(9 / 20)
     assert parts.outside_steps + parts.under_filled == pytest.approx(bubble_ratio(steps, 5.0, 4))
-    assert bubble_parts([_st(2.0, 8)], 3.0, 8).under_filled == 0.0  # a full engine: all gap
+    assert bubble_parts([_st(2.0, 8)], 3.0, 8).under_filled == pytest.approx(0.0, abs=1e-12)  # all gap
     assert bubble_parts([], 0.0, 8) == bubble_parts([_st(1.0, 9)], 1.0, 8)  # nothing idle either way
     rng = random.Random(5)
     for _ in range(200):

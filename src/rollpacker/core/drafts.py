@@ -576,11 +576,11 @@ def speculation_bound(
     best_k: dict[int, int] = {}
     by_batch: dict[int, float] = {}
     for b in sorted(tail_seconds):
-        options = [(1.0, 0)] + [
-            (tokens_per_verify_step(survival, k) * plain_step_s(b) / spec_step_s(b * (k + 1)), k)
-            for k in range(1, len(survival) + 1)
-            if spec_step_s(b * (k + 1)) > 0
-        ]
+        options = [(1.0, 0)]
+        for k in range(1, len(survival) + 1):
+            t = spec_step_s(b * (k + 1))
+            if t > 0:
+                options.append((tokens_per_verify_step(survival, k) * plain_step_s(b) / t, k))
         by_batch[b], best_k[b] = max(options)
     after = sum(s / by_batch[b] for b, s in tail_seconds.items())
     tail_speedup = tail_s / after if after > 0 else 1.0

@@ -59,18 +59,14 @@ class BubbleParts:
 
 
 def bubble_parts(steps: Sequence[EngineStepStats], total_time_s: float, concurrency: int) -> BubbleParts:
-    """``bubble_ratio``'s two parts (``BubbleParts``); engine steps that overran ``total_time_s``
-    (a clock's rounding) count as filling it."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency (Q) must be >= 1, got {concurrency}")
+    """``bubble_ratio``'s two parts (``BubbleParts``): the time outside engine steps, and the rest
+    of the ratio; engine steps that overran ``total_time_s`` (a clock's rounding) leave no time
+    outside."""
+    total = bubble_ratio(steps, total_time_s, concurrency)
     if total_time_s <= 0:
         return BubbleParts(0.0, 0.0)
-    stepped = sum(s.duration_s for s in steps)
-    outside = max(0.0, total_time_s - stepped) / total_time_s
-    busy = sum(min(s.num_running, concurrency) * s.duration_s for s in steps)
-    total = bubble_ratio(steps, total_time_s, concurrency)
-    under = max(0.0, (stepped * concurrency - busy) / (total_time_s * concurrency))
-    return BubbleParts(min(outside, total), max(0.0, min(under, total - min(outside, total))))
+    outside = min(total, max(0.0, total_time_s - sum(s.duration_s for s in steps)) / total_time_s)
+    return BubbleParts(outside, total - outside)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
