@@ -470,6 +470,9 @@ class VLLMEngine:
             logprobs=0 if sp.logprobs else None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            # dedicated to this one request: vLLM's input processing then copies it shallowly
+            # instead of deep-copying it (~0.1 ms a request: 50 ms of a 512-request launch)
+            skip_clone=True,
         )
         if not self._live:  # the core was idle: its next step time starts now
             self._busy_since = time.monotonic()
@@ -499,7 +502,7 @@ class VLLMEngine:
             if o.request_id not in self._live:
                 continue  # aborted since: the contract says no later update mentions it
             comp = o.outputs[0]
-            toks = tuple(int(t) for t in comp.token_ids)
+            toks = tuple(map(int, comp.token_ids))
             if comp.logprobs is not None:
                 lps = tuple(float(lp[t].logprob) for lp, t in zip(comp.logprobs, toks, strict=True))
             else:
