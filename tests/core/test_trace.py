@@ -44,3 +44,15 @@ def test_default_preset_has_a_paper_shaped_tail() -> None:
     # P75 an order of magnitude below the max, as in the papers' traces.
     assert st["max"] / st["p75"] >= 8
     assert st["max"] == PRESETS["paper-cpu"].max_len
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_sortedrl_preset_has_the_papers_length_statistics(seed: int) -> None:
+    """SortedRL sec. 2.3: 80 % of responses within 3k of the 8k limit, ~5 % reach the limit."""
+    p = PRESETS["sortedrl-cpu"]
+    first = sorted(r.response_lens[0] for r in generate(p, seed=seed))
+    p80 = first[int(0.8 * len(first))]
+    at_max = sum(x == p.max_len for x in first) / len(first)
+    assert 0.3 <= p80 / p.max_len <= 3 / 8 + 0.02
+    assert 0.03 <= at_max <= 0.08
+    assert len(first) >= 2 * 4 * 128 + 256  # two groups at the paper's batch, and tail batching's extra

@@ -40,11 +40,12 @@ def trace_presets() -> Done:
     from rollpacker.core.trace import PRESETS, generate, length_stats
 
     rows = []
+    width = max(map(len, PRESETS))
     for name, p in PRESETS.items():
         st = length_stats(generate(p))
         rows.append(
-            f"{name:<10} {p.num_prompts:>4} prompts x {p.responses_per_prompt} lengths; max {st['max']:.0f} "
-            f"P75 {st['p75']:.0f} median {st['p50']:.0f}  {p.description}"
+            f"{name:<{width}} {p.num_prompts:>4} prompts x {p.responses_per_prompt} lengths; "
+            f"max {st['max']:.0f} P75 {st['p75']:.0f} median {st['p50']:.0f}  {p.description}"
         )
     return Done("\n".join(rows))
 

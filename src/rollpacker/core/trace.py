@@ -87,6 +87,24 @@ PRESETS: dict[str, TracePreset] = {
         max_len=128,
         description="small and fast: for tests",
     ),
+    # SortedRL's workload (arXiv:2603.23414, section 2.3: "80 % of samples are generated within 3K
+    # tokens, the remaining 5 % can extend up to the token limit" of 8k) scaled by 1/32 in length so
+    # the real CPU engine replays it in seconds: the what-if's ``sortedrl-8k`` shape (median 1,046 ->
+    # 33, the same sigmas), max 256. Seed 0 draws median 34, P80 92 (0.36 of the max; the paper's
+    # 3k/8k), 5.0 % at the max. One response a prompt is trained (R0 = 1, as the paper's PPO runs);
+    # the second length serves tail batching's speculative response; 1,536 prompts serve two
+    # groups of 4 x 128 and the arms that draw more.
+    "sortedrl-cpu": TracePreset(
+        num_prompts=1536,
+        responses_per_prompt=2,
+        median_len=1046 / 32,
+        sigma_prompt=1.15,
+        sigma_response=0.5,
+        max_len=256,
+        description=(
+            "SortedRL-like (arXiv:2603.23414 sec. 2.3) at 1/32 length: P80 ~0.36 of the max, ~5 % at 256"
+        ),
+    ),
 }
 
 
