@@ -197,7 +197,7 @@ def test_a_collective_push_into_vllm_serves_the_trainers_weights(tmp_path: Any) 
             out: dict[str, Any] = {}
             th = threading.Thread(target=lambda: out.setdefault("r", engine.receive_weights(version)))
             th.start()
-            sent = wt.send(pg, trainer.weights(), 2**16, torch.device("cpu"))
+            sent = wt.send(pg, trainer.weights(tied_head=False), 2**16, torch.device("cpu"))
             th.join()
             return sent, out["r"]
 
@@ -211,6 +211,17 @@ def test_a_collective_push_into_vllm_serves_the_trainers_weights(tmp_path: Any) 
         by_store = params()
         sent, (recv,) = push(0)
         assert recv.buckets == sent.buckets > 1 and recv.payload_bytes == sent.payload_bytes
+        # the micro model ties its head: it is not sent, and the engine still serves it (below)
+        state = dict(trainer.weights())
+        head = state.pop("lm_head.weight")
+        assert head.data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        assert sent.payload_bytes == sum(t.numel() * t.element_size() for t in state.values())
+        # the micro model ties its head: the head's name is not sent, its embedding is
+        state = dict(trainer.weights())
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        assert sent.payload_bytes == sum(t.numel() * t.element_size() for t in state.values()) - (
+            state["lm_head.weight"].numel() * state["lm_head.weight"].element_size()
+        )
         by_collective = params()
         assert all(torch.equal(by_collective[n], t) for n, t in by_store.items())
 

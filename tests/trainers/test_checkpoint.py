@@ -58,3 +58,15 @@ def test_mini_batches_take_several_optimizer_steps(small_model_dir):
     assert st.optimizer_steps == 3 and tr.policy_version == 3
     # later mini-batches see moved weights: the ratio leaves 1 and clipping can engage
     assert st.samples == 12
+
+
+def test_the_weights_without_a_tied_head_leave_out_only_its_second_name(small_model_dir):
+    tr = TorchTrainer(small_model_dir, TrainerConfig())
+    every = dict(tr.weights())
+    pushed = dict(tr.weights(tied_head=False))
+    assert set(every) - set(pushed) == {"lm_head.weight"}  # the small model ties its head
+    assert every["lm_head.weight"].data_ptr() == pushed["model.embed_tokens.weight"].data_ptr()
+    assert all(torch.equal(every[n], t) for n, t in pushed.items())
+    # an untied model keeps its head: it is a parameter of its own
+    tr.model.lm_head.weight = torch.nn.Parameter(tr.model.lm_head.weight.detach().clone())
+    assert "lm_head.weight" in dict(tr.weights(tied_head=False))

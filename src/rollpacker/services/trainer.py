@@ -431,7 +431,7 @@ class TrainerService(Service, TrainerAPI):
             if self._wt[0] is None:  # the megatron gang: each stage's (tp 0, dp 0) rank sends
                 sent = self.trainer.push_weights(_bucket_bytes(self.cfg))
             else:
-                named = self.trainer.weights()
+                named = self.trainer.weights(tied_head=False)  # no engine loads a tied head
                 sent = wt.send(self._wt[0], named, _bucket_bytes(self.cfg), self.trainer.device)
             push = got.result(timeout=self.cfg.services.call_timeout_s)
         except Exception as e:

@@ -376,14 +376,18 @@ class TorchTrainer:
         return out
 
     # -- weights and checkpoints ----------------------------------------------------------------
-    def weights(self) -> Iterator[tuple[str, Any]]:
+    def weights(self, tied_head: bool = True) -> Iterator[tuple[str, Any]]:
         """(HF name, tensor) pairs for ``RolloutEngine.load_weights``.
 
         ``lm_head.weight`` is included even when tied to the embedding: vLLM on CPU keeps a
         separately packed copy of the output projection, and a reload without it leaves the engine
-        sampling from the old head (tests/trainers/test_weight_sync.py catches this).
+        sampling from the old head (tests/trainers/test_weight_sync.py catches this). The
+        collective push (``tied_head=False``) leaves it out: its workers load the embedding and
+        rebuild that copy from it (``engines/weight_transfer.py``), and the head's bytes would
+        cross the wire for nothing (27 % of Qwen2.5-0.5B's, 15 % of 1.5B's).
         """
-        yield from ((name, t.detach()) for name, t in self.model.state_dict().items())
+        skip = frozenset() if tied_head else _tied_aliases(self.model)
+        yield from ((name, t.detach()) for name, t in self.model.state_dict().items() if name not in skip)
 
     def save_checkpoint(self, path: Path) -> Path:
         """Write model (HF format, loadable by vLLM) + optimizer + RNG + meta, atomically."""
@@ -516,3 +520,10 @@ def _pad(
         targets[i, : s.num_tokens] = torch.tensor(s.response_ids)
         starts[i] = len(s.prompt_ids)
     return ids.to(device), attn.to(device), resp_mask.to(device), targets.to(device), starts.to(device)
+
+
+def _tied_aliases(model: Any) -> frozenset[str]:
+    """The names a module lists for a parameter it already listed under another name (a tied LM
+    head: ``lm_head.weight`` is ``model.embed_tokens.weight``, registered first)."""
+    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return frozenset(every - {n for n, _ in model.named_parameters()})

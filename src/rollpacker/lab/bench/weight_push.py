@@ -13,7 +13,8 @@ Hugging Face model holds the "trainer's" weights (fp32, CPU). Each path pushes t
   (``TrainerService._update``), through Ray's object store (``ray.put`` / ``ray.get``: the Ray call
   to the rollout service), and the engine's ``load_weights`` (a copy, then vLLM's in-place reload);
 - ``collective``: ``engines/weight_transfer.py``: the trainer broadcasts bucket by bucket over a
-  gloo group to the engine's worker, which loads each bucket as it arrives.
+  gloo group to the engine's worker, which loads each bucket as it arrives; a tied head is not
+  sent (``weights(tied_head=False)``: the engine serves it from the embedding).
 
 Figures per push (the median of the repeats): ``sync/weights_s`` (wall seconds from the first
 byte leaving to the engine serving the new weights), ``bytes_moved`` (through the object store:
@@ -173,9 +174,9 @@ def bench_model(name: str, model_dir: Path, repeats: int, bucket_mb: float) -> d
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         tied = bool(model.config.tie_word_embeddings)
 
-        def source() -> list[tuple[str, Any]]:  # TorchTrainer.weights(): the tied head too
+        def source(tied_head: bool = True) -> list[tuple[str, Any]]:  # TorchTrainer.weights(tied_head)
             named = [(n, p) for n, p in model.named_parameters()]
-            if tied:
+            if tied and tied_head:
                 named.append(("lm_head.weight", model.get_output_embeddings().weight))
             return named
 
@@ -195,7 +196,7 @@ def bench_model(name: str, model_dir: Path, repeats: int, bucket_mb: float) -> d
                     r = _object_store_push(engine, source(), counter)
                     extra = r.pop("serialized_bytes")
                 else:
-                    r = _collective_push(engine, pg, source(), counter, bucket_mb)
+                    r = _collective_push(engine, pg, source(tied_head=False), counter, bucket_mb)
                     extra = r.pop("received_into_new_buffers")
                 r["copies"] = (counter.bytes + extra) / model_bytes
                 rows[path].append(r)

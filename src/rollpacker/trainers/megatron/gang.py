@@ -414,16 +414,17 @@ class MegatronTrainer:
                 got = self._get([self.actors[i].export_bucket.remote(names) for i in ranks], "weights")
                 yield got[ranks.index(head)]
 
-    def weights(self) -> Iterator[tuple[str, Any]]:
-        """(HF name, tensor) pairs, ``lm_head.weight`` included when tied (vLLM on CPU needs it).
-        Right after ``save_checkpoint`` the set it gathered is handed out (once) instead of
-        gathering again: the trainer service saves, then pushes."""
+    def weights(self, tied_head: bool = True) -> Iterator[tuple[str, Any]]:
+        """(HF name, tensor) pairs, ``lm_head.weight`` included when tied (vLLM on CPU needs it)
+        unless ``tied_head`` is False. Right after ``save_checkpoint`` the set it gathered is
+        handed out (once) instead of gathering again: the trainer service saves, then pushes."""
+        skip = "lm_head.weight" if self.layout.tied and not tied_head else None
         cached, self._saved = self._saved, None
         if cached is not None and cached[0] == self.policy_version:
-            yield from cached[1].items()
+            yield from ((n, t) for n, t in cached[1].items() if n != skip)
             return
         for bucket in self.weight_buckets():
-            yield from bucket.items()
+            yield from ((n, t) for n, t in bucket.items() if n != skip)
 
     # -- the collective weight push (train.weight_sync: collective) ----------------------------------
     def _senders(self) -> list[Any]:

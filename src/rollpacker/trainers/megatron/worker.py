@@ -525,12 +525,16 @@ class RankWorker:
         pg = getattr(self, "_weight_pg", None)
         plan = self.bucket_plan(bucket_bytes)
 
+        # a tied head is the embedding under another name (the last stage's copy at pp > 1): no
+        # engine loads it (vLLM serves it from the embedding), so it does not cross the wire
+        skip = "lm_head.weight" if self.layout.tied else None
+
         def gathered() -> Iterator[tuple[str, torch.Tensor]]:
             sd = self.module.state_dict()
             for names in plan:
                 got = self._gather_hf({n: sd[n].detach() for n in names}, on_device=True)
                 if got is not None:
-                    yield from got.items()
+                    yield from ((n, t) for n, t in got.items() if n != skip)
 
         if pg is None:
             for _ in gathered():  # join the export collectives
